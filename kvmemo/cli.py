@@ -1,0 +1,160 @@
+"""The `kvmemo` command: generate and chat on the bundled SmolLM2 model or any supported model.
+
+Invariant: bad input prints one clear `error: ...` line and exits with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or HF safetensors directory (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size, e.g. 2GiB (default: 2GiB)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16 or fp8_e4m3")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default: 64)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument("--no-partial-reuse", action="store_true", help="do not copy partially filled matching blocks")
+    g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_partial_reuse=not args.no_partial_reuse,
+    )
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvmemo.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmemo", description="kvmemo: LLM inference that reuses every KV block it can.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print a JSON object with text, tokens and metrics")
+    _add_sampling_flags(gen)
+    _add_engine_flags(gen)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (the conversation's KV is reused every turn)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_flags(chat)
+    _add_engine_flags(chat)
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvmemo.llm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(args.model, **_engine_options(args))
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    if args.json:
+        print(json.dumps({
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": out.metrics.num_prompt_tokens,
+            "cached_prompt_tokens": out.metrics.num_cached_tokens,
+            "ttft_s": out.metrics.ttft_s,
+            "latency_s": out.metrics.latency_s,
+        }))
+    else:
+        print(completion.text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvmemo.llm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(args.model, **_engine_options(args))
+    conversation: list[dict[str, str]] = []
+    if args.system:
+        conversation.append({"role": "system", "content": args.system})
+    print("kvmemo chat: type a message, /reset to start over, /exit or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            conversation = conversation[:1] if args.system else []
+            continue
+        conversation.append({"role": "user", "content": line})
+        out = llm.chat(conversation, params, use_tqdm=False)[0]
+        reply = out.outputs[0].text
+        conversation.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}")
+        m = out.metrics
+        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_cached_tokens} cached, ttft {m.ttft_s * 1000:.0f} ms]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+        return _cmd_chat(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

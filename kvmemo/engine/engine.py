@@ -1,0 +1,244 @@
+"""Engine: schedule -> execute -> update, one step at a time; the only place wiring kv/, model/
+and attention/ together.
+
+Invariant: after step() returns, every block whose KV the step computed is committed (reusable),
+and every finished request's blocks are free (still cached until evicted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvmemo.attention.cache import PagedKVCache, kv_bytes_per_token, resolve_kv_dtype
+from kvmemo.config import EngineConfig
+from kvmemo.engine.detokenizer import IncrementalDetokenizer
+from kvmemo.engine.model_runner import ModelRunner
+from kvmemo.engine.processor import InputProcessor
+from kvmemo.engine.sampler import Sampler
+from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
+from kvmemo.kv.hashing import RequestHasher, namespace_root_hash
+from kvmemo.kv.manager import KVCacheManager
+from kvmemo.model.loader import load_model
+from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvmemo.request import Request, RequestStatus
+from kvmemo.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: its text so far and what the caller was sent."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+
+
+class Engine:
+    """Owns the model runner, the scheduler and the KV cache manager."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        start = time.perf_counter()
+        loaded = load_model(config.model, dtype=_DTYPES[config.dtype], device=str(self.device))
+        self.loaded = loaded
+        arch = loaded.arch_config
+        self.tokenizer = loaded.tokenizer
+        self.processor = InputProcessor(loaded.tokenizer, arch.vocab_size, loaded.chat_template)
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self.eos_token_ids = frozenset(arch.eos_token_ids)
+
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, _DTYPES[config.dtype])
+        bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype)
+        num_blocks = config.num_blocks or config.kv_cache_memory_bytes // (bytes_per_token * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {config.kv_cache_memory!r} is smaller than one block "
+                f"({bytes_per_token * config.block_size} bytes)"
+            )
+        kv_cache = PagedKVCache.allocate(
+            num_layers=arch.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s), %.2f GiB",
+            num_blocks, config.block_size, num_blocks * config.block_size, bytes_per_token,
+            str(kv_dtype).removeprefix("torch."), num_blocks * config.block_size * bytes_per_token / 2**30,
+        )
+        self.kv_bytes_per_token = bytes_per_token
+        root = namespace_root_hash(
+            # The compute dtype changes the KV of the same weights, so it joins the fingerprint.
+            weights_fingerprint=f"{loaded.weights_fingerprint}:{config.dtype}",
+            kv_cache_dtype=str(kv_dtype),
+            block_size=config.block_size,
+            algorithm=config.prefix_cache_hash,
+        )
+        self.hasher = RequestHasher(root, config.block_size, config.prefix_cache_hash)
+        self.kv_manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            self.hasher,
+            enable_caching=config.enable_prefix_caching,
+            enable_partial_reuse=config.enable_partial_reuse,
+            enable_events=config.enable_kv_events,
+        )
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
+            self.kv_manager,
+            self.hasher,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            kv_cache,
+            Sampler(config.seed, self.device),
+            scale=arch.head_dim**-0.5,
+            device=self.device,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        logger.info("engine ready in %.1f s on %s", time.perf_counter() - start, self.device)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Tokenize, validate and queue one sequence. Returns its request id."""
+        params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        token_ids = self.processor.encode_prompt(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(
+            request=request,
+            prompt=prompt if isinstance(prompt, str) else prompt_text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._tracked.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got a token or finished."""
+        output = self.scheduler.schedule()
+        result = self.runner.execute(output)
+        self.num_steps += 1
+        sampled = {rid: t.token_id for rid, t in result.sampled.items()}
+        touched = self.scheduler.update_from_output(output, sampled)
+        now = time.monotonic()
+        outputs = []
+        for request in touched:
+            tracked = self._tracked[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            token = result.sampled[request.request_id]
+            if tracked.logprobs is not None:
+                entry = dict(token.top_logprobs or {})
+                entry[token.token_id] = token.logprob
+                tracked.logprobs.append(entry)
+            if tracked.detokenizer.add_token(token.token_id, is_last=request.is_finished):
+                request.stop_reason = tracked.detokenizer.stop_reason
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._make_output(tracked, now))
+            if request.is_finished:
+                del self._tracked[request.request_id]
+        return outputs
+
+    def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
+        request = tracked.request
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detokenizer.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=tracked.logprobs,
+        )
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            first_token_time=request.first_token_time,
+            finished_time=now if request.is_finished else None,
+            num_preemptions=request.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics=metrics,
+        )
+
+    def get_metrics(self) -> dict[str, float | int]:
+        stats = self.kv_manager.stats
+        return {
+            "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_num_blocks": self.kv_manager.num_blocks,
+            "kv_num_free_blocks": self.kv_manager.num_free_blocks,
+            "kv_usage": self.kv_manager.usage,
+            "prefix_cache_queries_tokens": stats.num_queries_tokens,
+            "prefix_cache_hits_tokens": stats.num_hit_tokens,
+            "prefix_cache_partial_hit_tokens": stats.num_partial_hit_tokens,
+            "prefix_cache_hit_rate": stats.hit_rate,
+            "prefix_cache_evicted_blocks": stats.num_evicted_blocks,
+            "prefix_cache_stored_blocks": stats.num_stored_blocks,
+        }
+
+    def take_kv_events(self) -> list:
+        return self.kv_manager.take_events()
+
+    def reset_prefix_cache(self) -> tuple[bool, str]:
+        return self.kv_manager.reset_prefix_cache()

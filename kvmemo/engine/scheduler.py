@@ -1,0 +1,205 @@
+"""Scheduler: continuous batching under a per-step token budget, with chunked prefill.
+
+Invariant: running requests are scheduled before waiting ones; a request is admitted only when
+its blocks can be allocated; when blocks run out, the newest running request is preempted
+(its KV freed, recomputed later), so the oldest always progresses and nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvmemo.kv.hashing import RequestHasher
+from kvmemo.kv.manager import KVCacheManager
+from kvmemo.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# Past this many waiting requests, scoring each one's cached prefix costs more than it saves:
+# fall back to arrival order (SGLang does the same).
+_MAX_WAITING_FOR_PREFIX_ORDER = 128
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the KV manager owns the blocks."""
+
+    def __init__(self, limits: SchedulerLimits, kv_manager: KVCacheManager, hasher: RequestHasher):
+        self.limits = limits
+        self.kv = kv_manager
+        self.hasher = hasher
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never fit the model or the cache."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_len = self.limits.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"prompt is {request.num_prompt_tokens} tokens; the model's context is {max_len} "
+                f"tokens, so the prompt must be at most {max_len - 1} tokens"
+            )
+        max_total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
+        blocks_needed = -(-max_total // self.kv.block_size)
+        if blocks_needed > self.kv.num_blocks:
+            raise ValueError(
+                f"request needs up to {max_total} tokens ({blocks_needed} KV blocks) but the KV "
+                f"cache holds only {self.kv.num_blocks} blocks of {self.kv.block_size} tokens; "
+                "lower max_tokens or raise kv_cache_memory / num_blocks"
+            )
+        self.hasher.extend(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        # Running requests first: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the newest; never one already scheduled (index < i)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Then waiting requests, while budget, sequence slots and blocks last. No admission in a
+        # step that had to preempt: the pool is under pressure.
+        if not preempted:
+            self._order_waiting(budget)
+            while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+                request = self.waiting[0]
+                prefix = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - prefix.num_tokens, budget)
+                if self.kv.allocate_slots(request, num_new, prefix) is None:
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = prefix.num_tokens
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = prefix.num_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append((request, num_new))
+                budget -= num_new
+
+        sequences = [
+            ScheduledSequence(
+                request_id=r.request_id,
+                token_ids=r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
+                num_computed_tokens=r.num_computed_tokens,
+                block_table=self.kv.get_block_table(r.request_id),
+                needs_sample=r.num_computed_tokens + n == r.num_tokens,
+                sampling_params=r.sampling_params,
+                num_output_tokens=r.num_output_tokens,
+            )
+            for r, n in scheduled
+        ]
+        copies = [(c.src_block_id, c.dst_block_id, c.num_tokens) for c in self.kv.take_copies()]
+        return SchedulerOutput(sequences=sequences, block_copies=copies, preempted_request_ids=preempted)
+
+    def _order_waiting(self, budget: int) -> None:
+        """When the budget cannot take every waiting prompt, serve cached prefixes first.
+
+        Longest cached prefix first, so hits are used before eviction takes them; preempted
+        requests keep their place at the front; ties keep arrival order (the sort is stable).
+        """
+        if len(self.waiting) < 2 or len(self.waiting) > _MAX_WAITING_FOR_PREFIX_ORDER:
+            return
+        if sum(r.num_tokens for r in self.waiting) <= budget:
+            return
+        ordered = sorted(
+            self.waiting,
+            key=lambda r: (r.status != RequestStatus.PREEMPTED, -self.kv.get_computed_blocks(r).num_tokens),
+        )
+        self.waiting = deque(ordered)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (recompute)", request.request_id)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance scheduled requests by the step's results.
+
+        Appends sampled tokens, applies token-level stop rules, commits the blocks whose KV the
+        step computed (so they are reusable from the next step on, while the request still runs)
+        and frees finished requests. Returns the requests that got a new token or finished.
+        """
+        touched: list[Request] = []
+        for seq in output.sequences:
+            request = self.requests[seq.request_id]
+            request.num_computed_tokens += len(seq.token_ids)
+            if seq.needs_sample:
+                request.append_output_token(sampled_token_ids[seq.request_id])
+                self.hasher.extend(request)
+                self._check_token_stop(request)
+                touched.append(request)
+            self.kv.commit(request, request.num_computed_tokens)
+            if request.is_finished:
+                self._release(request)
+        return touched
+
+    def _check_token_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a request from outside (stop string, abort). Frees its blocks; idempotent."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status is RequestStatus.WAITING or request.status is RequestStatus.PREEMPTED:
+            self.waiting.remove(request)
+            self.kv.free(request)
+        request.status = status
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self.kv.free(request)
+        self.requests.pop(request.request_id, None)

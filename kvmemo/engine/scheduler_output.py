@@ -1,0 +1,41 @@
+"""SchedulerOutput: the contract between the scheduler and the model runner for one step.
+
+Invariant: every scheduled sequence's block table covers num_computed_tokens + len(token_ids)
+tokens, and block_copies run (in order) before the step's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmemo.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's share of the step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes (a prefill chunk, or 1 to decode)
+    num_computed_tokens: int  # tokens already in the cache; position of token_ids[0]
+    block_table: list[int]  # the request's block ids, in order
+    needs_sample: bool  # the chunk reaches the sequence's end, so its last position samples
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated so far (the sampler's per-request step index)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the runner must do this step."""
+
+    sequences: list[ScheduledSequence]
+    block_copies: list[tuple[int, int, int]]  # (src_block_id, dst_block_id, num_tokens), in order
+    preempted_request_ids: list[str]  # preempted this step (their KV will be recomputed)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences

@@ -1,0 +1,257 @@
+"""BlockPool: every KV block's ref count, hash and free-queue position, plus the hash -> block map.
+
+Invariant: each block is free (ref_count 0, in the LRU queue) xor referenced; a hash maps to at
+most one block and only blocks carrying that hash are mapped ("stored once"); the parent index
+holds exactly the mapped blocks, each under its parent hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmemo.kv.free_queue import FreeBlockQueue, FreeQueueNode
+from kvmemo.kv.hashing import BlockHash, ExtraKeys
+
+
+@dataclass(slots=True, eq=False)
+class Block(FreeQueueNode):
+    """One KV page. The committed fields are set together, once, by commit (see set_committed)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None  # committed: hash of the previous block (or the root)
+    token_ids: tuple[int, ...] | None = None  # committed: the tokens, to verify hits
+    extra_keys: ExtraKeys | None = None  # committed: the extra keys, to verify hits
+
+    def set_committed(
+        self,
+        block_hash: BlockHash,
+        parent_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra_keys: ExtraKeys,
+    ) -> None:
+        """Assigns the hash and what it covers; a block is hashed at most once until evicted."""
+        assert self.block_hash is None, f"block {self.block_id} already has a hash"
+        self.block_hash = block_hash
+        self.parent_hash = parent_hash
+        self.token_ids = token_ids
+        self.extra_keys = extra_keys
+
+    def reset_hash(self) -> None:
+        self.block_hash = self.parent_hash = self.token_ids = self.extra_keys = None
+
+
+class BlockPool:
+    """Owns all blocks, the LRU free queue, the hash -> block map, the parent index and events.
+
+    All num_blocks blocks are usable (no reserved null block). The pool knows nothing about
+    requests: the manager decides which blocks to touch, commit and free, and in what order.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self._free_queue: FreeBlockQueue[Block] = FreeBlockQueue(self.blocks)
+        self._cached: dict[BlockHash, Block] = {}
+        # parent hash -> {block_id: block} of the mapped blocks chained from it, in commit order:
+        # the candidates for partial reuse of a committed full block (manager.get_computed_blocks).
+        self._children: dict[BlockHash, dict[int, Block]] = {}
+        self._events: list[KVEvent] = []
+        self.num_evicted_blocks = 0  # cumulative
+        self.num_stored_blocks = 0  # cumulative
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (free cached blocks count as unused)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids, next to evict first (for tests and debugging; O(num_free))."""
+        return [block.block_id for block in self._free_queue]
+
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Pops `num_blocks` blocks from the LRU head, each with ref_count 1.
+
+        Side effects: a popped block that carried a hash is evicted from the map (one
+        BlockRemoved event per call, num_evicted_blocks counted). The caller checks capacity first;
+        asking for more than num_free_blocks raises ValueError.
+        """
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"num_blocks must be <= num_free_blocks ({self.num_free_blocks}), got {num_blocks}"
+            )
+        blocks = [self._free_queue.popleft() for _ in range(num_blocks)]
+        removed: list[BlockHash] = []
+        for block in blocks:
+            assert block.ref_count == 0, f"free block {block.block_id} is referenced"
+            block.ref_count = 1
+            if block.block_hash is not None:
+                removed.append(block.block_hash)
+                self._evict(block)
+        if removed and self.enable_events:
+            self._events.append(BlockRemoved(block_hashes=tuple(removed)))
+        return blocks
+
+    def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None and self._cached.get(block.block_hash) is block
+        assert block.parent_hash is not None
+        del self._cached[block.block_hash]
+        siblings = self._children[block.parent_hash]
+        del siblings[block.block_id]
+        if not siblings:
+            del self._children[block.parent_hash]
+        block.reset_hash()
+        self.num_evicted_blocks += 1
+
+    def take_free_block(self, block: Block) -> None:
+        """Takes the free `block` as a new block (ref_count 1) whose old KV the caller keeps using.
+
+        Like get_new_blocks for one chosen block: it leaves the free queue and, if it carried a
+        hash, is evicted from the map first (BlockRemoved event, counted), so that no later hit
+        can see the slots the caller is about to rewrite.
+        """
+        assert block.ref_count == 0, f"block {block.block_id} is not free"
+        self._free_queue.remove(block)
+        block.ref_count = 1
+        if block.block_hash is not None:
+            block_hash = block.block_hash
+            self._evict(block)
+            if self.enable_events:
+                self._events.append(BlockRemoved(block_hashes=(block_hash,)))
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Takes hit blocks: ref_count += 1; a free one leaves the free queue (not evictable)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self._free_queue.remove(block)
+            block.ref_count += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[Block]) -> None:
+        """Drops one reference from each block; blocks reaching 0 join the free-queue tail in order.
+
+        Pass a request's blocks last-first, so its tail is evicted before its shareable head.
+        Freed blocks keep their hash (they stay hittable) until evicted.
+        """
+        for block in blocks_in_eviction_order:
+            assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue.append(block)
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        """The block stored under `block_hash`, or None. Does not touch it."""
+        if not self.enable_caching:
+            return None
+        return self._cached.get(block_hash)
+
+    def get_cached_children(self, parent_hash: BlockHash) -> Iterable[Block]:
+        """The mapped blocks whose parent hash is `parent_hash`, oldest commit first.
+
+        O(1) to get, O(result) to iterate; does not touch them. Do not commit or evict while
+        iterating.
+        """
+        return self._children.get(parent_hash, {}).values()
+
+    def commit_block(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        parent_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra_keys: ExtraKeys,
+        lora_name: str | None = None,
+    ) -> bool:
+        """Publishes a full block whose KV has been computed, under `block_hash`.
+
+        Returns:
+            True if the block entered the map (BlockStored event, num_stored_blocks counted).
+            False if caching is off or another block already holds that hash: stored once, this
+            block stays private and unhashed and is simply freed later.
+        """
+        assert block.ref_count > 0, f"committing block {block.block_id} that nobody holds"
+        if not self.enable_caching or block_hash in self._cached:
+            return False
+        block.set_committed(block_hash, parent_hash, token_ids, extra_keys)
+        self._cached[block_hash] = block
+        self._children.setdefault(parent_hash, {})[block.block_id] = block
+        self.num_stored_blocks += 1
+        if self.enable_events:
+            self._events.append(
+                BlockStored(
+                    block_hashes=(block_hash,),
+                    parent_block_hash=parent_hash,
+                    token_ids=token_ids,
+                    block_size=len(token_ids),
+                    extra_keys=extra_keys,
+                    lora_name=lora_name,
+                )
+            )
+        return True
+
+    def reset_prefix_cache(self) -> tuple[bool, str]:
+        """Forgets every hash, only when no block is held.
+
+        Returns:
+            (True, "") after clearing (AllBlocksCleared event), else (False, reason).
+        """
+        num_used = self.num_blocks - self.num_free_blocks
+        if num_used > 0:
+            return False, f"{num_used} blocks are still held by running requests"
+        for block in self._cached.values():
+            block.reset_hash()
+        self._cached.clear()
+        self._children.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True, ""
+
+    def take_events(self) -> list[KVEvent]:
+        """Drains the events collected since the last call (always empty unless enable_events)."""
+        events, self._events = self._events, []
+        return events
+
+    def check_invariants(self) -> None:
+        """Asserts the pool's invariants (module docstring); O(num_blocks)."""
+        self._free_queue.check_links()
+        num_free = 0
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
+            assert block.is_free == (block.ref_count == 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} but is_free {block.is_free}"
+            )
+            num_free += block.is_free
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, (
+                    f"hashed block {block.block_id} is not the map's block for its hash"
+                )
+                assert block.token_ids is not None and block.parent_hash is not None
+            else:
+                assert block.token_ids is None and block.parent_hash is None
+        assert num_free == self.num_free_blocks, "free count disagrees with the free queue"
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash, f"map entry points at block {block.block_id}"
+        num_hashed = sum(block.block_hash is not None for block in self.blocks)
+        assert num_hashed == len(self._cached), "hashed blocks and map entries differ in number"
+        num_children = 0
+        for parent_hash, children in self._children.items():
+            assert children, "empty parent index entry"
+            for block_id, block in children.items():
+                assert block.block_id == block_id and block.parent_hash == parent_hash, (
+                    f"parent index entry points at block {block.block_id}, not chained from it"
+                )
+                assert block.block_hash is not None and self._cached[block.block_hash] is block, (
+                    f"parent index holds block {block.block_id}, which is not in the map"
+                )
+            num_children += len(children)
+        assert num_children == len(self._cached), "parent index and map differ in size"

@@ -1,0 +1,189 @@
+"""Block hashing: hash_i = H(hash_{i-1}, token_ids_i, extra_keys_i), chained from a namespace root.
+
+Invariant: equal hashes only for equal (root, tokens, extra keys) chains; each block hashed once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NewType, Union
+
+if TYPE_CHECKING:
+    from kvmemo.request import MultiModalItem, Request
+
+BlockHash = NewType("BlockHash", bytes)
+
+# sha256: collision resistant, the default. xxh3_128: several times faster but NOT collision
+# resistant: a tenant can craft a prompt whose block collides with another tenant's, so use it only
+# where a single trusted party fills the cache (the manager still verifies tokens on every hit).
+HASH_ALGORITHMS = ("sha256", "xxh3_128")
+
+# Bump when the KV page layout changes, so blocks written by an older layout never match.
+LAYOUT_VERSION = 1
+
+# One extra key: (mm content hash, block start - item offset), ("lora", name) or ("salt", salt).
+ExtraKey = Union[tuple[bytes, int], tuple[str, str]]
+ExtraKeys = tuple[ExtraKey, ...]
+
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+
+
+def check_algorithm(algorithm: str) -> None:
+    """Raises ValueError unless `algorithm` is one of HASH_ALGORITHMS."""
+    if algorithm not in HASH_ALGORITHMS:
+        raise ValueError(f"hash algorithm must be one of {HASH_ALGORITHMS}, got {algorithm!r}")
+
+
+def _digest(data: bytes, algorithm: str) -> BlockHash:
+    if algorithm == "sha256":
+        return BlockHash(hashlib.sha256(data).digest())
+    check_algorithm(algorithm)
+    try:
+        import xxhash
+    except ImportError as exc:  # optional dependency
+        raise ValueError("hash algorithm 'xxh3_128' needs the xxhash package") from exc
+    return BlockHash(xxhash.xxh3_128_digest(data))
+
+
+def _encode(value: object, out: bytearray) -> None:
+    """Appends a canonical, type-tagged, length-prefixed encoding of `value` to `out`."""
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        out += b"?\x01" if value else b"?\x00"
+    elif isinstance(value, int):
+        out += b"i" + _I64.pack(value)
+    elif isinstance(value, bytes):
+        out += b"b" + _U32.pack(len(value)) + value
+    elif isinstance(value, str):
+        raw = value.encode("utf-8")
+        out += b"s" + _U32.pack(len(raw)) + raw
+    elif value is None:
+        out += b"n"
+    elif isinstance(value, tuple):
+        out += b"t" + _U32.pack(len(value))
+        for item in value:
+            _encode(item, out)
+    else:
+        raise TypeError(f"cannot encode {type(value).__name__} in a block hash key")
+
+
+def namespace_root_hash(
+    *,
+    weights_fingerprint: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    layout_version: int = LAYOUT_VERSION,
+    algorithm: str = "sha256",
+) -> BlockHash:
+    """The parent hash of every chain's first block: a digest of all that changes KV content.
+
+    Deterministic across processes (no seed), so blocks can be shared on disk and across machines.
+    """
+    check_algorithm(algorithm)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    out = bytearray(b"kvmemo-namespace")
+    _encode((weights_fingerprint, kv_cache_dtype, block_size, layout_version, algorithm), out)
+    return _digest(bytes(out), algorithm)
+
+
+def hash_block(
+    parent: BlockHash,
+    token_ids: Sequence[int],
+    extra_keys: tuple,
+    algorithm: str = "sha256",
+) -> BlockHash:
+    """Hash of one full block, chained through its parent's hash.
+
+    Encoding: len(parent) | parent | num_tokens | token ids as int64 LE | type-tagged extra keys.
+    """
+    out = bytearray(_U32.pack(len(parent)))
+    out += parent
+    out += _U32.pack(len(token_ids))
+    out += struct.pack(f"<{len(token_ids)}q", *token_ids)
+    _encode(tuple(extra_keys), out)
+    return _digest(bytes(out), algorithm)
+
+
+def _item_end(item: MultiModalItem) -> int:
+    return item.offset + item.length
+
+
+def extra_keys_for_range(request: Request, start: int, end: int) -> ExtraKeys:
+    """Extra keys of the token range [start, end) of `request`, in the order DESIGN.md fixes.
+
+    Multimodal items overlapping the range give (content_hash, start - item.offset); then
+    ("lora", lora_name) if set; then ("salt", cache_salt) only for a range starting at 0.
+    Needs request.mm_items sorted by offset and non-overlapping (checked by RequestHasher.extend);
+    a bisect on the item ends keeps this O(log items + items overlapping).
+    """
+    keys: list[ExtraKey] = []
+    items = request.mm_items
+    if items:
+        i = bisect_right(items, start, key=_item_end)  # first item ending after `start`
+        while i < len(items) and items[i].offset < end:
+            keys.append((items[i].content_hash, start - items[i].offset))
+            i += 1
+    if request.lora_name is not None:
+        keys.append(("lora", request.lora_name))
+    if start == 0 and request.cache_salt is not None:
+        keys.append(("salt", request.cache_salt))
+    return tuple(keys)
+
+
+def _check_mm_items(items: Sequence[MultiModalItem]) -> None:
+    prev_end = 0
+    for index, item in enumerate(items):
+        if item.length < 1 or item.offset < prev_end:
+            raise ValueError(
+                f"mm_items must be sorted by offset, non-overlapping and of length >= 1; "
+                f"item {index} has offset {item.offset} and length {item.length}"
+            )
+        prev_end = item.offset + item.length
+
+
+class RequestHasher:
+    """Extends request.block_hashes as blocks fill; holds the namespace root and the algorithm.
+
+    Promises: every full block of a request is hashed exactly once (counted in num_hashed_blocks).
+    """
+
+    def __init__(self, root: BlockHash, block_size: int, algorithm: str = "sha256") -> None:
+        check_algorithm(algorithm)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.root = root
+        self.block_size = block_size
+        self.algorithm = algorithm
+        self.num_hashed_blocks = 0  # hash computations so far, for tests and metrics
+
+    def extend(self, request: Request) -> None:
+        """Appends the hash of every newly full block of request.all_token_ids.
+
+        Side effect: mutates request.block_hashes; resumes at len(request.block_hashes).
+        Raises ValueError if request.mm_items is unsorted or overlapping (checked on first call).
+        """
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        size = self.block_size
+        if not hashes and request.mm_items:
+            _check_mm_items(request.mm_items)
+        parent = hashes[-1] if hashes else self.root
+        for index in range(len(hashes), len(tokens) // size):
+            start = index * size
+            keys = extra_keys_for_range(request, start, start + size)
+            parent = hash_block(parent, tokens[start : start + size], keys, self.algorithm)
+            hashes.append(parent)
+            self.num_hashed_blocks += 1
+
+    def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
+        """Extra keys of full block `block_index` of `request`."""
+        start = block_index * self.block_size
+        return extra_keys_for_range(request, start, start + self.block_size)
+
+    def parent_hash(self, request: Request, block_index: int) -> BlockHash:
+        """Hash of the block before `block_index` (the root for block 0); needs it extended."""
+        return self.root if block_index == 0 else request.block_hashes[block_index - 1]

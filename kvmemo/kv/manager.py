@@ -1,0 +1,461 @@
+"""KVCacheManager: each request's block_table, prefix hits and the one publish point, commit().
+
+Invariant: a block becomes hittable only in commit(), which the engine calls AFTER the step that
+computed its KV (never for scheduled-but-uncomputed tokens, e.g. later chunks of a prefill), and
+every block's ref_count equals the number of block tables holding it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+from kvmemo.kv.block_pool import Block, BlockPool
+from kvmemo.kv.events import KVEvent
+from kvmemo.kv.hashing import BlockHash, RequestHasher, extra_keys_for_range
+from kvmemo.kv.partial_index import PartialEntry, PartialIndex, common_prefix_len
+
+if TYPE_CHECKING:
+    from kvmemo.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the KV of the first num_tokens slots of block src into block dst (partial reuse)."""
+
+    src_block_id: int
+    dst_block_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartialMatch:
+    """A block whose first num_tokens slots hold the request's next tokens (partial reuse).
+
+    The block is either partially filled (from the partial index; source_hash None) or a committed
+    full block that the request diverges from (or ends in) mid-block (source_hash: its hash).
+    """
+
+    block: Block
+    num_tokens: int
+    source_hash: BlockHash | None = None  # set for a committed full source, to detect eviction
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    blocks: tuple[Block, ...]  # verified full-block hits, in order
+    num_tokens: int  # tokens served from cache: len(blocks) * block_size + partial tokens
+    partial: PartialMatch | None = None
+
+
+_NO_MATCH = PrefixMatch(blocks=(), num_tokens=0, partial=None)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters (cumulative from manager.stats, per interval from take_stats())."""
+
+    num_queries_tokens: int = 0  # tokens of requests at their first allocation
+    num_hit_tokens: int = 0  # of those, served from the cache (full blocks + partial)
+    num_partial_hit_tokens: int = 0  # of the hits, served by partial reuse
+    num_evicted_blocks: int = 0
+    num_stored_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queries_tokens if self.num_queries_tokens else 0.0
+
+    def minus(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in fields(self))
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _RequestBlocks:
+    request: Request
+    blocks: list[Block]  # the block_table, append-only while the request runs
+    num_committed_blocks: int  # leading blocks committed (or hit, or stored-once duplicates)
+
+
+class KVCacheManager:
+    """Owns the block pool, every running request's block_table, the partial index and copies.
+
+    Promises: hits are verified against stored tokens, parent hash and extra keys (a hash
+    collision cannot serve wrong KV); the last token of a request is never a hit; a partially
+    filled block is never shared, only copied (or adopted when nobody holds it); a committed full
+    block used as a partial source is only read (copied), and stays cached, unless it would be
+    evicted by this very allocation anyway.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hasher: RequestHasher,
+        *,
+        enable_caching: bool = True,
+        enable_partial_reuse: bool = True,
+        enable_events: bool = False,
+    ) -> None:
+        if hasher.block_size != block_size:
+            raise ValueError(
+                f"block_size must equal the hasher's block_size ({hasher.block_size}), "
+                f"got {block_size!r}"
+            )
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_partial_reuse = enable_caching and enable_partial_reuse
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_events)
+        self._hasher = hasher
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._partial = PartialIndex()
+        self._copies: list[BlockCopy] = []
+        self._counters = PrefixCacheStats()  # query/hit counters; pool counts evict/store
+        self._taken = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """Cumulative counters (a fresh snapshot on every read)."""
+        return replace(
+            self._counters,
+            num_evicted_blocks=self.block_pool.num_evicted_blocks,
+            num_stored_blocks=self.block_pool.num_stored_blocks,
+        )
+
+    def take_stats(self) -> PrefixCacheStats:
+        """Counters since the previous take_stats() call."""
+        current = self.stats
+        delta, self._taken = current.minus(self._taken), current
+        return delta
+
+    # ---- prefix match ----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> PrefixMatch:
+        """Longest verified cached prefix of `request`: full blocks, then one partial match.
+
+        The partial match serves the first k tokens of the next block from a partially filled
+        block or from a committed full block with the same parent (the request diverges from it,
+        or stops hitting it because of the last-token rule, mid-block); see _find_partial.
+
+        Does not modify the pool (safe to call repeatedly, e.g. to order the waiting queue).
+        At least one token is always left to compute. Extends request.block_hashes if needed.
+
+        Raises:
+            ValueError: if request.num_computed_tokens != 0 (only for a first schedule or after
+                preemption).
+        """
+        if request.num_computed_tokens != 0:
+            raise ValueError(
+                "get_computed_blocks needs request.num_computed_tokens == 0, "
+                f"got {request.num_computed_tokens}"
+            )
+        if not self.enable_caching:
+            return _NO_MATCH
+        self._hasher.extend(request)
+        size = self.block_size
+        tokens = request.all_token_ids
+        max_hit_tokens = len(tokens) - 1  # the step needs logits at the last position
+        hits: list[Block] = []
+        parent = self._hasher.root
+        for index in range(min(len(request.block_hashes), max_hit_tokens // size)):
+            block_hash = request.block_hashes[index]
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None or not self._holds(block, parent, request, index):
+                break
+            hits.append(block)
+            parent = block_hash
+
+        start = len(hits) * size
+        partial = None
+        num_partial_max = min(size - 1, max_hit_tokens - start)
+        if self.enable_partial_reuse and num_partial_max > 0:
+            partial = self._find_partial(request, parent, len(hits), num_partial_max)
+        if not hits and partial is None:
+            return _NO_MATCH
+        num_tokens = start + (partial.num_tokens if partial is not None else 0)
+        return PrefixMatch(blocks=tuple(hits), num_tokens=num_tokens, partial=partial)
+
+    def _find_partial(
+        self, request: Request, parent: BlockHash, index: int, num_tokens_max: int
+    ) -> PartialMatch | None:
+        """Best copy source for the first tokens (at most num_tokens_max) of block `index`.
+
+        Candidates chain from `parent`: partially filled blocks (partial index; their extra keys
+        over their own token range must equal the request's) and committed full blocks (pool's
+        parent index; their extra keys over the whole block must equal the request's over the
+        same range). The longest common prefix k > 0 wins; on a tie a referenced block (copying
+        from it leaves the free queue alone), then a partially filled one, then the oldest commit.
+        Costs O(candidates chained from `parent`).
+        """
+        start = index * self.block_size
+        window = request.all_token_ids[start : start + num_tokens_max]
+        best: PartialMatch | None = None
+        found = self._partial.find(
+            parent, window, lambda num_tokens: extra_keys_for_range(request, start, start + num_tokens)
+        )
+        if found is not None:
+            best = PartialMatch(block=found[0], num_tokens=found[1])
+        full_block_keys = None  # computed once, for the first candidate that needs them
+        for block in self.block_pool.get_cached_children(parent):
+            assert block.token_ids is not None and block.parent_hash == parent
+            k = common_prefix_len(block.token_ids, window)
+            if k == 0 or (
+                best is not None
+                and (k, block.ref_count > 0) <= (best.num_tokens, best.block.ref_count > 0)
+            ):
+                continue
+            if full_block_keys is None:
+                full_block_keys = self._hasher.extra_keys(request, index)
+            if block.extra_keys == full_block_keys:
+                best = PartialMatch(block=block, num_tokens=k, source_hash=block.block_hash)
+        return best
+
+    def _holds(self, block: Block, parent: BlockHash, request: Request, index: int) -> bool:
+        """True if `block` stores exactly full block `index` of `request` (not a hash collision)."""
+        start = index * self.block_size
+        return (
+            block.parent_hash == parent
+            and block.token_ids == tuple(request.all_token_ids[start : start + self.block_size])
+            and block.extra_keys == self._hasher.extra_keys(request, index)
+        )
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> list[int] | None:
+        """Grows the request's block_table to cover its computed tokens plus `num_new_tokens`.
+
+        ::
+
+            block_table: | hit | hit | partial  | new | new |
+                         |<- prefix.num_tokens ->|<- num_new_tokens ->|
+                         touched     copy dst     popped from the LRU head
+                         (ref += 1)  (or adopted)  (their old hashes evicted)
+
+        Partial match (prefix.partial), by source kind and state:
+
+            source                 referenced               free (ref_count 0)
+            partially filled       fresh dst + BlockCopy    adopted as is (no copy)
+            committed full block   fresh dst + BlockCopy    fresh dst + BlockCopy; the source is
+                                                            kept out of the pops, then rejoins the
+                                                            free queue at the TAIL, still cached;
+                                                            if the free blocks fit the request only
+                                                            by popping the source too, it is
+                                                            adopted instead (evicted, no copy)
+
+        Args:
+            request: the request; without `prefix` its num_computed_tokens is the start.
+            num_new_tokens: tokens to be computed by the coming step.
+            prefix: the match from get_computed_blocks, called right before, on the request's
+                first allocation only. Its full blocks are touched, its partial match handled as
+                above. Run the BlockCopy records in order, before the step's forward (and before
+                any KV write of that step): take_copies().
+
+        Returns:
+            The newly added block ids, or None (nothing changed) if the free blocks cannot cover
+            the new blocks plus the hits that are currently free.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        state = self._requests.get(request.request_id)
+        if prefix is not None and state is not None:
+            raise ValueError(f"prefix given for {request.request_id!r}, which already has blocks")
+        hits = prefix.blocks if prefix is not None else ()
+        partial = prefix.partial if prefix is not None else None
+        num_computed = prefix.num_tokens if prefix is not None else request.num_computed_tokens
+        num_held = len(state.blocks) if state is not None else len(hits)
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_required - num_held)
+        # Free hits leave the free queue, so they use capacity; an adopted partial block is one of
+        # the new blocks, taken from the free queue like a fresh one.
+        num_free_hits = sum(block.ref_count == 0 for block in hits)
+        num_free = self.block_pool.num_free_blocks
+        if num_new_blocks + num_free_hits > num_free:
+            return None
+        if prefix is not None:
+            self._check_fresh(request, prefix)
+
+        self.block_pool.touch(hits)  # first: a free hit must not be popped below
+        new_blocks: list[Block] = []
+        source = partial.block if partial is not None else None
+        # A free full source survives only if the pops leave it out; when every free block is
+        # needed, it would be popped (evicted) anyway, so adopt it and keep its first slots' KV.
+        if source is not None and source.ref_count == 0 and (
+            partial.source_hash is None or num_new_blocks + num_free_hits == num_free
+        ):
+            self.block_pool.take_free_block(source)  # evicts a full source's hash first
+            new_blocks.append(source)
+            partial = None  # adopted: no copy
+        keep_source = partial is not None and source is not None and source.ref_count == 0
+        if keep_source:
+            pass  # MUTATION
+        fresh = self.block_pool.get_new_blocks(num_new_blocks - len(new_blocks))
+        if keep_source:
+            pass
+        new_blocks.extend(fresh)
+        for block in new_blocks:
+            self._partial.discard(block)  # its slots are about to be rewritten
+        if partial is not None:
+            copy = BlockCopy(partial.block.block_id, fresh[0].block_id, partial.num_tokens)
+            self._copies.append(copy)
+
+        if state is None:
+            state = _RequestBlocks(request, list(hits), num_committed_blocks=len(hits))
+            self._requests[request.request_id] = state
+            self._record_query(request, prefix)
+        state.blocks.extend(new_blocks)
+        return block_ids(new_blocks)
+
+    def _check_fresh(self, request: Request, prefix: PrefixMatch) -> None:
+        """Asserts `prefix` is still valid: no allocation evicted its blocks since the match."""
+        for index, block in enumerate(prefix.blocks):
+            assert block.block_hash == request.block_hashes[index], "stale PrefixMatch"
+        if prefix.partial is not None and prefix.partial.source_hash is not None:
+            assert prefix.partial.block.block_hash == prefix.partial.source_hash, (
+                "stale PrefixMatch: its full source block was evicted"
+            )
+        elif prefix.partial is not None:
+            entry = self._partial.get(prefix.partial.block)
+            assert entry is not None and len(entry.token_ids) >= prefix.partial.num_tokens, (
+                "stale PrefixMatch: its partial block was reallocated"
+            )
+            num_full_tokens = len(prefix.blocks) * self.block_size
+            assert prefix.num_tokens == num_full_tokens + prefix.partial.num_tokens
+
+    def _record_query(self, request: Request, prefix: PrefixMatch | None) -> None:
+        self._counters.num_queries_tokens += request.num_tokens
+        if prefix is not None:
+            self._counters.num_hit_tokens += prefix.num_tokens
+            if prefix.partial is not None:
+                self._counters.num_partial_hit_tokens += prefix.partial.num_tokens
+
+    # ---- publish and release ---------------------------------------------------------------
+
+    def commit(self, request: Request, num_computed_tokens: int) -> None:
+        """Publishes the request's KV that exists after a step: the publish point.
+
+        Commits each full block below num_computed_tokens once (stored once: a block whose hash
+        is already mapped stays private), and records the computed part of the last, partial
+        block in the partial index. Call AFTER the step that computed the KV; extends
+        request.block_hashes if needed. Does nothing when caching is off.
+        """
+        if not self.enable_caching:
+            return
+        state = self._requests.get(request.request_id)
+        assert state is not None, f"commit for {request.request_id!r}, which holds no blocks"
+        size = self.block_size
+        assert num_computed_tokens <= min(request.num_tokens, len(state.blocks) * size)
+        self._hasher.extend(request)
+        tokens = request.all_token_ids
+        num_full = num_computed_tokens // size
+        for index in range(state.num_committed_blocks, num_full):
+            block = state.blocks[index]
+            start = index * size
+            self._partial.discard(block)
+            self.block_pool.commit_block(
+                block,
+                request.block_hashes[index],
+                self._hasher.parent_hash(request, index),
+                tuple(tokens[start : start + size]),
+                self._hasher.extra_keys(request, index),
+                request.lora_name,
+            )
+        num_tail = num_computed_tokens - num_full * size
+        if self.enable_partial_reuse and num_tail > 0 and num_full >= state.num_committed_blocks:
+            start = num_full * size
+            block = state.blocks[num_full]
+            assert block.block_hash is None, "a partially computed block cannot be hashed"
+            self._partial.put(
+                PartialEntry(
+                    block=block,
+                    parent_hash=self._hasher.parent_hash(request, num_full),
+                    extra_keys=extra_keys_for_range(request, start, num_computed_tokens),
+                    token_ids=tuple(tokens[start:num_computed_tokens]),
+                )
+            )
+        state.num_committed_blocks = max(state.num_committed_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first into the free queue, and forgets it.
+
+        Blocks stay cached (hash mapped, partial entries kept) until evicted. A request that holds
+        no blocks (never allocated, or already freed) is ignored.
+        """
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self.block_pool.free_blocks(reversed(state.blocks))
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        """The request's block ids in order ([] for a request that holds no blocks)."""
+        state = self._requests.get(request_id)
+        return block_ids(state.blocks) if state is not None else []
+
+    def take_copies(self) -> list[BlockCopy]:
+        """Drains the block copies recorded since the last call; run them in order before the
+        forward of the step they were scheduled for."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def take_events(self) -> list[KVEvent]:
+        """Drains the pool's KV events (empty unless enable_events)."""
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> tuple[bool, str]:
+        """Forgets all cached blocks (full and partial) if no request holds any block.
+
+        Returns:
+            (True, "") on success, else (False, reason) and nothing changes.
+        """
+        ok, reason = self.block_pool.reset_prefix_cache()
+        if ok:
+            self._partial.clear()
+        return ok, reason
+
+    def check_invariants(self) -> None:
+        """Asserts pool invariants, ref_count == holders, and the partial index contents."""
+        self.block_pool.check_invariants()
+        size = self.block_size
+        holders: dict[int, int] = {}
+        position: dict[int, tuple[_RequestBlocks, int]] = {}
+        for state in self._requests.values():
+            request = state.request
+            assert state.num_committed_blocks <= len(state.blocks)
+            for index, block in enumerate(state.blocks):
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                position[block.block_id] = (state, index)
+                if block.block_hash is not None:
+                    assert index < state.num_committed_blocks, "uncommitted block carries a hash"
+                    assert block.block_hash == request.block_hashes[index], "foreign block hash"
+        for block in self.block_pool.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"held by {holders.get(block.block_id, 0)} requests"
+            )
+        for entry in self._partial.entries():
+            block = entry.block
+            assert block.block_hash is None, f"partial entry on hashed block {block.block_id}"
+            assert 0 < len(entry.token_ids) < size
+            assert block.ref_count <= 1, f"partial block {block.block_id} is shared"
+            if block.block_id in position:
+                state, index = position[block.block_id]
+                start = index * size
+                stored = tuple(state.request.all_token_ids[start : start + len(entry.token_ids)])
+                assert stored == entry.token_ids, f"stale partial entry, block {block.block_id}"
+                assert entry.parent_hash == self._hasher.parent_hash(state.request, index)
+
+
+def block_ids(blocks: Sequence[Block]) -> list[int]:
+    """The ids of `blocks`, in order."""
+    return [block.block_id for block in blocks]

@@ -1,0 +1,133 @@
+"""LLM: the offline API. A thin facade holding an Engine: generate() and chat() run a batch to
+completion with continuous batching and return outputs in input order.
+
+Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kvmemo.config import EngineConfig
+from kvmemo.engine.engine import Engine
+from kvmemo.outputs import RequestOutput
+from kvmemo.sampling import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Owns one Engine. `LLM(model=None, **engine_options)`; unknown options raise ValueError."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.engine = Engine(self.config)
+        self._batch_ids = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings or token-id lists)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = [(p, None) for p in prompts]
+        return self._run(items, sampling_params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {'role', 'content'} dicts) or a list of them."""
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        items = []
+        for conversation in messages:
+            text, token_ids = self.engine.processor.encode_chat(conversation)
+            items.append((token_ids, text))
+        return self._run(items, sampling_params, use_tqdm, cache_salt)
+
+    def get_metrics(self) -> dict[str, float | int]:
+        """Prefix-cache and scheduler counters since start (tokens, blocks, hit rate)."""
+        return self.engine.get_metrics()
+
+    def reset_prefix_cache(self) -> tuple[bool, str]:
+        return self.engine.reset_prefix_cache()
+
+    def _run(
+        self,
+        items: list[tuple[Prompt, str | None]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        params = _per_prompt_params(sampling_params, len(items))
+        self._batch_ids += 1
+        groups: dict[str, tuple[int, int]] = {}  # sequence id -> (prompt index, sample index)
+        try:
+            for i, ((prompt, text), p) in enumerate(zip(items, params)):
+                for j in range(p.n):
+                    # n samples are n sequences; a seeded prompt gives each sample its own seed.
+                    child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    rid = f"b{self._batch_ids}-{i}-{j}"
+                    self.engine.add_request(prompt, child, request_id=rid, cache_salt=cache_salt, prompt_text=text)
+                    groups[rid] = (i, j)
+        except Exception:
+            for rid in groups:
+                self.engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(groups), desc="requests", disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < len(groups):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in groups:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return _group_samples(finished, groups, len(items))
+
+
+def _per_prompt_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if len(sampling_params) != num_prompts:
+        raise ValueError(
+            f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts; "
+            "pass one SamplingParams or one per prompt"
+        )
+    return list(sampling_params)
+
+
+def _group_samples(
+    finished: dict[str, RequestOutput], groups: dict[str, tuple[int, int]], num_prompts: int
+) -> list[RequestOutput]:
+    merged: list[RequestOutput | None] = [None] * num_prompts
+    for rid in sorted(groups, key=groups.get):
+        i, j = groups[rid]
+        out = finished[rid]
+        out.outputs[0].index = j
+        if merged[i] is None:
+            out.request_id = rid.rsplit("-", 1)[0]
+            merged[i] = out
+        else:
+            merged[i].outputs.append(out.outputs[0])
+    return [m for m in merged if m is not None]

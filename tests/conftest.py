@@ -1,0 +1,39 @@
+"""Shared fixtures: the bundled SmolLM2 model, an HF transformers reference on the same GGUF."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    from kvmemo.model.loader import bundled_model_path
+
+    return Path(bundled_model_path())
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_gguf: Path):
+    """The HF transformers reference: the same GGUF, dequantized by transformers, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One shared engine with default settings (prefix caching on)."""
+    from kvmemo import LLM
+
+    return LLM(num_blocks=512)
+

@@ -1,0 +1,73 @@
+"""Seeded sampling is reproducible across runs and batch compositions; n, stop and logprobs work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvmemo import SamplingParams
+from tests.helpers import assert_all_blocks_free
+
+pytestmark = pytest.mark.model
+
+PROMPT = "Tell me a story about a dragon."
+
+
+def _tokens(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_same_seed_same_output_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20)
+    alone = llm.generate(PROMPT, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(PROMPT, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=20)
+    batch = llm.generate(["Hello there", PROMPT, "Another prompt"], [others, seeded, others], use_tqdm=False)
+    assert alone == again == batch[1].outputs[0].token_ids
+    different = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=20), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+    assert_all_blocks_free(llm)
+
+
+def test_n_samples_and_min_p(llm):
+    params = SamplingParams(n=3, temperature=1.0, min_p=0.05, seed=7, max_tokens=12)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "three seeded samples were all equal"
+
+
+def test_stop_string_and_token_ids(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text.strip()[4:8]
+    assert stop
+    cut = llm.generate(
+        "Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=40, stop=stop), use_tqdm=False
+    )[0].outputs[0]
+    assert stop not in cut.text and cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert full.text.startswith(cut.text)
+    stop_id = full.token_ids[3]
+    by_id = llm.generate(
+        "Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
+    assert by_id.token_ids[-1] == stop_id and by_id.finish_reason == "stop"
+    assert len(by_id.token_ids) <= 4
+
+
+def test_logprobs_hold_the_sampled_token_and_top_k(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 5
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+        assert all(v <= 0.0 and not math.isnan(v) for v in entry.values())
+
+
+def test_outputs_carry_metrics(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert out.finished and out.metrics.ttft_s is not None and out.metrics.ttft_s > 0
+    assert out.metrics.num_prompt_tokens == len(out.prompt_token_ids)
+    assert 0 <= out.metrics.num_cached_tokens < out.metrics.num_prompt_tokens

@@ -1,0 +1,73 @@
+"""Bad input raises ValueError naming the field and what is allowed; the CLI exits cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvmemo import EngineConfig, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"n": 0}, "n must be an integer >= 1"),
+    ],
+)
+def test_sampling_params_errors_name_field_and_range(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_engine_config_rejects_unknown_and_bad_options():
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['blok_size'\]"):
+        EngineConfig.from_kwargs(blok_size=16)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="kv_cache_memory must be a size"):
+        EngineConfig(kv_cache_memory="lots")
+
+
+@pytest.mark.model
+def test_empty_and_too_long_prompts(llm):
+    with pytest.raises(ValueError, match="prompt must be a non-empty"):
+        llm.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt must be a non-empty"):
+        llm.generate([[]], use_tqdm=False)
+    too_long = [1] * (llm.engine.max_model_len + 5)
+    with pytest.raises(ValueError, match="the model's context is"):
+        llm.generate([too_long], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 49152\)"):
+        llm.generate([[5, 10**9]], use_tqdm=False)
+
+
+@pytest.mark.model
+def test_cli_prints_clear_error_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmemo.cli", "generate", "Hi", "--temperature", "-1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "error: temperature must be >= 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.model
+def test_cli_generate_json():
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmemo.cli", "generate", "The capital of France is", "--max-tokens", "5", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert len(result["token_ids"]) <= 5 and result["text"]
+    assert result["prompt_tokens"] > 0

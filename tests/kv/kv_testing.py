@@ -1,0 +1,72 @@
+"""Helpers for the kv tests: a hasher, a manager and requests with small, readable sizes."""
+
+from __future__ import annotations
+
+from kvmemo.kv.hashing import RequestHasher, namespace_root_hash
+from kvmemo.kv.manager import KVCacheManager, PrefixMatch
+from kvmemo.request import MultiModalItem, Request
+from kvmemo.sampling import SamplingParams
+
+
+def make_hasher(block_size: int = 4, algorithm: str = "sha256") -> RequestHasher:
+    root = namespace_root_hash(
+        weights_fingerprint="test-weights",
+        kv_cache_dtype="bfloat16",
+        block_size=block_size,
+        algorithm=algorithm,
+    )
+    return RequestHasher(root, block_size, algorithm)
+
+
+def make_manager(num_blocks: int = 10, block_size: int = 4, **kwargs: bool) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, make_hasher(block_size), **kwargs)
+
+
+def make_request(
+    request_id: str,
+    token_ids: list[int],
+    *,
+    mm_items: list[MultiModalItem] | None = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(token_ids),
+        sampling_params=SamplingParams(),
+        mm_items=mm_items or [],
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+    )
+
+
+def admit(
+    manager: KVCacheManager, request: Request, num_new_tokens: int | None = None
+) -> tuple[PrefixMatch, list[int] | None]:
+    """Scheduler-style first allocation: match, allocate (all remaining tokens by default)."""
+    prefix = manager.get_computed_blocks(request)
+    if num_new_tokens is None:
+        num_new_tokens = request.num_tokens - prefix.num_tokens
+    new_block_ids = manager.allocate_slots(request, num_new_tokens, prefix)
+    if new_block_ids is not None:
+        request.num_computed_tokens = prefix.num_tokens
+    manager.check_invariants()
+    return prefix, new_block_ids
+
+
+def finish_step(manager: KVCacheManager, request: Request, num_tokens: int | None = None) -> None:
+    """The step computed `num_tokens` more tokens (default: all the rest): advance and commit."""
+    if num_tokens is None:
+        num_tokens = request.num_tokens - request.num_computed_tokens
+    request.num_computed_tokens += num_tokens
+    manager.commit(request, request.num_computed_tokens)
+    manager.check_invariants()
+
+
+def ref_counts(manager: KVCacheManager) -> dict[int, int]:
+    """ref_count of every held block."""
+    return {b.block_id: b.ref_count for b in manager.block_pool.blocks if b.ref_count}
+
+
+def hit_ids(prefix: PrefixMatch) -> list[int]:
+    return [block.block_id for block in prefix.blocks]

@@ -1,0 +1,70 @@
+"""load_model(): HF directories end to end, fingerprints, and the user-facing errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmemo.model.loader import load_model
+from tests.model.tiny import tiny_hf_model
+
+
+def _save_tiny_dir(path, seed: int = 0) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_hf_model("qwen2", seed=seed).save_pretrained(path, safe_serialization=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 97)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(path)
+
+
+def test_load_hf_directory(tmp_path) -> None:
+    _save_tiny_dir(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.arch_config.architecture == "qwen2"
+    assert loaded.path == str(tmp_path.resolve())
+    assert loaded.chat_template and "messages" in loaded.chat_template
+    assert loaded.tokenizer.eos_token == "</s>"
+    assert load_model(str(tmp_path)).weights_fingerprint == loaded.weights_fingerprint
+
+    other = tmp_path / "other"
+    _save_tiny_dir(other, seed=1)
+    assert load_model(str(other)).weights_fingerprint != loaded.weights_fingerprint
+
+
+def test_bf16_model(tmp_path) -> None:
+    _save_tiny_dir(tmp_path)
+    loaded = load_model(str(tmp_path), dtype=torch.bfloat16)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    from kvmemo.model.dense_attention import dense_causal_attention
+
+    attention = dense_causal_attention(4, 2)
+    hidden = loaded.model(torch.tensor([3, 4, 5]), torch.arange(3), attention)
+    assert loaded.model.compute_logits(hidden).dtype == torch.float32
+
+
+def test_missing_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_model(str(tmp_path / "does-not-exist"))
+
+
+def test_directory_without_config(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_file_that_is_not_gguf(tmp_path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match=r"not a \.gguf"):
+        load_model(str(tmp_path / "weights.bin"))
+
+
+def test_unsupported_dtype() -> None:
+    with pytest.raises(ValueError, match="float64"):
+        load_model("/nonexistent", dtype=torch.float64)

@@ -1,0 +1,53 @@
+"""The model honours explicit positions: a split run with cached K/V equals one full run."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmemo.model.config import ModelArchConfig
+from kvmemo.model.dense_attention import dense_causal_attention
+from kvmemo.model.layers import RotaryEmbedding
+from kvmemo.model.llama import LlamaForCausalLM
+from tests.model.tiny import caching_attention, tiny_hf_model
+
+
+def _tiny_model() -> LlamaForCausalLM:
+    hf = tiny_hf_model("llama")
+    config = ModelArchConfig.from_hf_config(hf.config.to_dict())
+    return LlamaForCausalLM.from_state_dict(config, hf.state_dict())
+
+
+def test_second_half_with_positions_matches_full_run() -> None:
+    model = _tiny_model()
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    full = model.compute_logits(
+        model(ids, torch.arange(40), dense_causal_attention(4, 2))
+    )  # [40, V]
+
+    attention, cache = caching_attention()
+    model(ids[:25], torch.arange(25), attention)
+    assert cache[0][0].shape == (25, config.num_key_value_heads, config.head_dim)
+    second = model.compute_logits(model(ids[25:], torch.arange(25, 40), attention))  # [15, V]
+    diff = (second - full[25:]).abs().max().item()
+    assert diff < 1e-4, f"max |logits diff| = {diff:.3g}"
+
+
+def test_positions_change_the_output() -> None:
+    model = _tiny_model()
+    ids = torch.tensor([5, 6, 7])
+    attention = dense_causal_attention(4, 2)
+    a = model(ids, torch.arange(3), attention)
+    b = model(ids, torch.arange(100, 103), attention)
+    # Relative positions are equal, so RoPE attention is (numerically) invariant to a shift...
+    assert torch.allclose(a, b, atol=1e-4)
+    c = model(ids, torch.tensor([0, 5, 9]), attention)
+    assert not torch.allclose(a, c, atol=1e-4)  # ...but not to a change of spacing
+
+
+def test_rope_cache_grows_past_max_position() -> None:
+    rope = RotaryEmbedding(16, 10000.0, None, max_position_embeddings=8)
+    cos, sin = rope.cos_sin(torch.tensor([3, 1000]), torch.float32)
+    assert cos.shape == (2, 1, 8) and rope.cos_cache.shape[0] >= 1001
+    expected = torch.cos(1000 * rope.inv_freq)
+    assert torch.allclose(cos[1, 0], expected, atol=1e-5)

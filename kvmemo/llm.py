@@ -68,7 +68,13 @@ class LLM:
         return self.engine.get_metrics()
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
+        """Drop every cached block; refused (False, reason) while requests hold blocks."""
         return self.engine.reset_prefix_cache()
+
+    def subscribe_kv_events(self, callback) -> None:
+        """Receive BlockStored / BlockRemoved / AllBlocksCleared lists after each step
+        (needs LLM(..., enable_kv_events=True))."""
+        self.engine.subscribe_kv_events(callback)
 
     def _run(
         self,

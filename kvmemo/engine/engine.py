@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,6 +22,7 @@ from kvmemo.engine.model_runner import ModelRunner
 from kvmemo.engine.processor import InputProcessor
 from kvmemo.engine.sampler import Sampler
 from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
+from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import RequestHasher, namespace_root_hash
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.loader import load_model
@@ -120,6 +122,7 @@ class Engine:
             device=self.device,
         )
         self._tracked: dict[str, _Tracked] = {}
+        self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self._ids = itertools.count()
         self.num_steps = 0
         logger.info("engine ready in %.1f s on %s", time.perf_counter() - start, self.device)
@@ -173,6 +176,7 @@ class Engine:
         self.num_steps += 1
         sampled = {rid: t.token_id for rid, t in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)
+        self._publish_kv_events()
         now = time.monotonic()
         outputs = []
         for request in touched:
@@ -237,8 +241,26 @@ class Engine:
             "prefix_cache_stored_blocks": stats.num_stored_blocks,
         }
 
-    def take_kv_events(self) -> list:
-        return self.kv_manager.take_events()
+    def subscribe_kv_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
+        """Call `callback` after every step that changed the block map, with its events in order.
+
+        Raises ValueError unless the engine was built with enable_kv_events=True (collecting
+        events costs memory, so they are off by default).
+        """
+        if not self.config.enable_kv_events:
+            raise ValueError("KV events are off; build the engine with enable_kv_events=True")
+        self._kv_event_subscribers.append(callback)
+
+    def _publish_kv_events(self) -> None:
+        if not self.config.enable_kv_events:
+            return
+        events = self.kv_manager.take_events()
+        if events:
+            for callback in self._kv_event_subscribers:
+                callback(events)
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
-        return self.kv_manager.reset_prefix_cache()
+        """Drop every cached block; refused (False, reason) while requests hold blocks."""
+        result = self.kv_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return result

@@ -14,7 +14,7 @@ import torch
 
 from kvmemo.attention.cache import PagedKVCache, write_kv
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.attention.torch_ref import paged_attention_ref
+from kvmemo.attention.paged import paged_attention
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import SchedulerOutput
 
@@ -42,7 +42,7 @@ class ModelRunner:
         *,
         scale: float,
         device: torch.device,
-        attention_backend: AttentionBackendFn = paged_attention_ref,
+        attention_backend: AttentionBackendFn = paged_attention,
     ):
         self.model = model
         self.kv_cache = kv_cache

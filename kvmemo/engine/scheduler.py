@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from kvmemo.kv.hashing import RequestHasher
+from kvmemo.kv.hashing import BlockHash, RequestHasher
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.request import Request, RequestStatus
 
@@ -97,13 +97,18 @@ class Scheduler:
         # step that had to preempt: the pool is under pressure.
         if not preempted:
             self._order_waiting(budget)
+            in_flight = self._blocks_being_computed()
+            deferred: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting.popleft()
                 prefix = self.kv.get_computed_blocks(request)
+                if self._next_block_in_flight(request, prefix.num_tokens, in_flight):
+                    deferred.append(request)
+                    continue
                 num_new = min(request.num_tokens - prefix.num_tokens, budget)
                 if self.kv.allocate_slots(request, num_new, prefix) is None:
+                    self.waiting.appendleft(request)
                     break
-                self.waiting.popleft()
                 request.num_computed_tokens = prefix.num_tokens
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = prefix.num_tokens
@@ -111,6 +116,8 @@ class Scheduler:
                 self.running.append(request)
                 scheduled.append((request, num_new))
                 budget -= num_new
+                in_flight.update(self._uncomputed_block_hashes(request))
+            self.waiting.extendleft(reversed(deferred))
 
         sequences = [
             ScheduledSequence(
@@ -126,6 +133,29 @@ class Scheduler:
         ]
         copies = [(c.src_block_id, c.dst_block_id, c.num_tokens) for c in self.kv.take_copies()]
         return SchedulerOutput(sequences=sequences, block_copies=copies, preempted_request_ids=preempted)
+
+    def _uncomputed_block_hashes(self, request: Request) -> list[BlockHash]:
+        return request.block_hashes[request.num_computed_tokens // self.kv.block_size :]
+
+    def _blocks_being_computed(self) -> set[BlockHash]:
+        """Hashes of full blocks that running prefills have not finished computing yet."""
+        if not self.kv.enable_caching:
+            return set()
+        return {
+            h
+            for r in self.running
+            if r.num_computed_tokens < r.num_tokens - 1
+            for h in self._uncomputed_block_hashes(r)
+        }
+
+    def _next_block_in_flight(self, request: Request, num_cached_tokens: int, in_flight: set[BlockHash]) -> bool:
+        """True when another request is computing this request's next block right now.
+
+        Computing it twice in one step would waste the work the prefix cache exists to save;
+        waiting one step turns it into a hit (blocks commit after the step that computes them).
+        """
+        index = num_cached_tokens // self.kv.block_size
+        return index < len(request.block_hashes) and request.block_hashes[index] in in_flight
 
     def _order_waiting(self, budget: int) -> None:
         """When the budget cannot take every waiting prompt, serve cached prefixes first.

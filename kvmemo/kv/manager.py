@@ -202,7 +202,7 @@ class KVCacheManager:
         window = request.all_token_ids[start : start + num_tokens_max]
         best: PartialMatch | None = None
         found = self._partial.find(
-            parent, window, lambda num_tokens: extra_keys_for_range(request, start, start + num_tokens)
+            parent, window, lambda num: extra_keys_for_range(request, start, start + num)
         )
         if found is not None:
             best = PartialMatch(block=found[0], num_tokens=found[1])
@@ -278,7 +278,7 @@ class KVCacheManager:
         num_held = len(state.blocks) if state is not None else len(hits)
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - num_held)
-        # Free hits leave the free queue, so they use capacity; an adopted partial block is one of
+        # Free hits leave the free queue, so they use capacity; an adopted source block is one of
         # the new blocks, taken from the free queue like a fresh one.
         num_free_hits = sum(block.ref_count == 0 for block in hits)
         num_free = self.block_pool.num_free_blocks
@@ -289,21 +289,22 @@ class KVCacheManager:
 
         self.block_pool.touch(hits)  # first: a free hit must not be popped below
         new_blocks: list[Block] = []
-        source = partial.block if partial is not None else None
         # A free full source survives only if the pops leave it out; when every free block is
         # needed, it would be popped (evicted) anyway, so adopt it and keep its first slots' KV.
-        if source is not None and source.ref_count == 0 and (
-            partial.source_hash is None or num_new_blocks + num_free_hits == num_free
+        if (
+            partial is not None
+            and partial.block.ref_count == 0
+            and (partial.source_hash is None or num_new_blocks + num_free_hits == num_free)
         ):
-            self.block_pool.take_free_block(source)  # evicts a full source's hash first
-            new_blocks.append(source)
+            self.block_pool.take_free_block(partial.block)  # evicts a full source's hash first
+            new_blocks.append(partial.block)
             partial = None  # adopted: no copy
-        keep_source = partial is not None and source is not None and source.ref_count == 0
-        if keep_source:
-            pass  # MUTATION
+        kept = partial.block if partial is not None and partial.block.ref_count == 0 else None
+        if kept is not None:
+            self.block_pool.touch([kept])  # out of the free queue: the pops cannot take it
         fresh = self.block_pool.get_new_blocks(num_new_blocks - len(new_blocks))
-        if keep_source:
-            pass
+        if kept is not None:
+            self.block_pool.free_blocks([kept])  # back at the tail: just used, still cached
         new_blocks.extend(fresh)
         for block in new_blocks:
             self._partial.discard(block)  # its slots are about to be rewritten

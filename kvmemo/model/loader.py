@@ -20,6 +20,7 @@ import torch
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.gguf import load_gguf
 from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
 from kvmemo.model.safetensors_loader import load_safetensors_dir, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -94,9 +95,7 @@ def load_model(
         state_dict, arch_config = checkpoint.state_dict, checkpoint.arch_config
         chat_template = checkpoint.chat_template
         fingerprint = fingerprint_files([resolved], resolved.parent)
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(resolved.parent), gguf_file=resolved.name, local_files_only=True
-        )
+        tokenizer = load_gguf_tokenizer(resolved, fingerprint)
     else:
         files = safetensors_files(resolved)
         state_dict, arch_config = load_safetensors_dir(resolved)

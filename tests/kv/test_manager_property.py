@@ -114,6 +114,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         cut = data.draw(st.integers(1, len(tokens)))
         self.add_request(tokens[:cut] + tail, salt)
 
+    @precondition(lambda self: self.history or self.running)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 1), max_size=3))
+    def probe(self, data: st.DataObject, tail: list[int]) -> None:
+        """A read-only match of some seen tokens, cut anywhere: checks the sources it picks."""
+        seen = self.history + [(r.all_token_ids, r.cache_salt) for r in self.running]
+        tokens, salt = data.draw(st.sampled_from(seen))
+        cut = data.draw(st.integers(1, len(tokens)))
+        salt = data.draw(st.sampled_from([salt, None, "tenant"]))
+        request = make_request("probe", tokens[:cut] + tail, cache_salt=salt)
+        self.check_match(request, self.manager.get_computed_blocks(request))
+
     def add_request(self, tokens: list[int], salt: str | None) -> None:
         self.num_requests += 1
         self.waiting.append(make_request(f"r{self.num_requests}", tokens, cache_salt=salt))

@@ -115,7 +115,8 @@ def test_never_hit_the_last_token() -> None:
     admit(manager, a)
     finish_step(manager, a, 12)
     prefix = manager.get_computed_blocks(make_request("b", list(range(12))))
-    assert hit_ids(prefix) == [0, 1] and prefix.num_tokens == 8
+    assert hit_ids(prefix) == [0, 1] and prefix.num_tokens == 11  # block 2 copied but its last
+    assert prefix.partial is not None and prefix.partial.block.block_id == 2
     # With partial reuse, the same block is still found up to the last token but one.
     prefix = manager.get_computed_blocks(make_request("c", list(range(13))))
     assert hit_ids(prefix) == [0, 1, 2] and prefix.num_tokens == 12

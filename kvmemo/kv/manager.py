@@ -8,68 +8,17 @@ every block's ref_count equals the number of block tables holding it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash, RequestHasher, extra_keys_for_range
+from kvmemo.kv.match import NO_MATCH, BlockCopy, PartialMatch, PrefixCacheStats, PrefixMatch
 from kvmemo.kv.partial_index import PartialEntry, PartialIndex, common_prefix_len
 
 if TYPE_CHECKING:
     from kvmemo.request import Request
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    """Copy the KV of the first num_tokens slots of block src into block dst (partial reuse)."""
-
-    src_block_id: int
-    dst_block_id: int
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PartialMatch:
-    """A block whose first num_tokens slots hold the request's next tokens (partial reuse).
-
-    The block is either partially filled (from the partial index; source_hash None) or a committed
-    full block that the request diverges from (or ends in) mid-block (source_hash: its hash).
-    """
-
-    block: Block
-    num_tokens: int
-    source_hash: BlockHash | None = None  # set for a committed full source, to detect eviction
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    blocks: tuple[Block, ...]  # verified full-block hits, in order
-    num_tokens: int  # tokens served from cache: len(blocks) * block_size + partial tokens
-    partial: PartialMatch | None = None
-
-
-_NO_MATCH = PrefixMatch(blocks=(), num_tokens=0, partial=None)
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache counters (cumulative from manager.stats, per interval from take_stats())."""
-
-    num_queries_tokens: int = 0  # tokens of requests at their first allocation
-    num_hit_tokens: int = 0  # of those, served from the cache (full blocks + partial)
-    num_partial_hit_tokens: int = 0  # of the hits, served by partial reuse
-    num_evicted_blocks: int = 0
-    num_stored_blocks: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queries_tokens if self.num_queries_tokens else 0.0
-
-    def minus(self, other: PrefixCacheStats) -> PrefixCacheStats:
-        return PrefixCacheStats(
-            *(getattr(self, f.name) - getattr(other, f.name) for f in fields(self))
-        )
 
 
 @dataclass(slots=True, eq=False)
@@ -161,7 +110,7 @@ class KVCacheManager:
                 f"got {request.num_computed_tokens}"
             )
         if not self.enable_caching:
-            return _NO_MATCH
+            return NO_MATCH
         self._hasher.extend(request)
         size = self.block_size
         tokens = request.all_token_ids
@@ -182,7 +131,7 @@ class KVCacheManager:
         if self.enable_partial_reuse and num_partial_max > 0:
             partial = self._find_partial(request, parent, len(hits), num_partial_max)
         if not hits and partial is None:
-            return _NO_MATCH
+            return NO_MATCH
         num_tokens = start + (partial.num_tokens if partial is not None else 0)
         return PrefixMatch(blocks=tuple(hits), num_tokens=num_tokens, partial=partial)
 

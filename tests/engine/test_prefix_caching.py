@@ -51,6 +51,7 @@ def test_four_turn_conversation_reuses_earlier_answers(llm, cold):
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=24)
     histories = {"warm": [{"role": "system", "content": SYSTEM}], "cold": [{"role": "system", "content": SYSTEM}]}
+    prompt_lens: list[int] = []
     for turn, question in enumerate(QUESTIONS[:4]):
         answers = {}
         for name, engine in (("warm", llm), ("cold", cold)):
@@ -61,8 +62,8 @@ def test_four_turn_conversation_reuses_earlier_answers(llm, cold):
         assert answers["warm"].outputs[0].token_ids == answers["cold"].outputs[0].token_ids
         if turn > 0:
             # Everything up to the previous answer was computed before (prompt and generated).
-            assert answers["warm"].metrics.num_cached_tokens >= previous_prompt_len
-        previous_prompt_len = answers["warm"].metrics.num_prompt_tokens
+            assert answers["warm"].metrics.num_cached_tokens >= prompt_lens[-1]
+        prompt_lens.append(answers["warm"].metrics.num_prompt_tokens)
 
 
 def _run_staggered(engine_llm, prompts_ids, params, steps_between):

@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_from_byte_shape
 
 from kvmemo.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from kvmemo.model.gguf_header import GGUFFile, TensorInfo
 
 # F32/F16 are plain views; every other type is whatever gguf.quants implements (Q4_0..Q8_0,
 # K-quants, IQ*, BF16, ...). Read from the package so an upgrade widens support automatically.
@@ -47,6 +48,12 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _ROPE_FREQS = "rope_freqs.weight"
+# Longer metadata arrays (tokens / merges / scores) are skipped: the tokenizer reads those itself.
+_MAX_METADATA_ARRAY_LEN = 64
+# llama.cpp tensors that LlamaForCausalLM fuses (qkv_proj, gate_up_proj), in its concatenation
+# order. Only a layout hint: the model falls back to torch.cat for tensors that are not adjacent.
+_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_CHUNK_VALUES = 1 << 16  # per step; keeps temporaries small enough for malloc to reuse
 
 
 @dataclass
@@ -58,7 +65,7 @@ class GGUFCheckpoint:
     chat_template: str | None  # tokenizer.chat_template, verbatim
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    metadata: dict[str, Any] = field(repr=False)  # every scalar/string key (arrays skipped)
+    metadata: dict[str, Any] = field(repr=False)  # every key except arrays of > 64 items
 
 
 def supported_quant_type_names() -> list[str]:
@@ -99,26 +106,54 @@ def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)  # [H, D/2, 2, (in)] -> [out, (in)]
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Scalar and string fields as Python values; arrays only for short non-vocab lists."""
-    metadata: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > 64:
-            continue  # tokens / merges / scores: the tokenizer reads those itself
-        metadata[key] = f.contents()
-    return metadata
-
-
 def dequantize_tensor(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """One tensor's raw GGUF data -> fp32 torch tensor in numpy (row-major, HF) shape."""
+    """One tensor's raw GGUF data (uint8 rows) -> fp32 torch tensor in numpy (row-major, HF) shape."""
+    out = torch.empty(quant_shape_from_byte_shape(data.shape, qtype), dtype=torch.float32)
+    dequantize_into(name, out, data, qtype)
+    return out
+
+
+def dequantize_into(
+    name: str,
+    out: torch.Tensor,
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    *,
+    unpermute_heads: int | None = None,
+) -> None:
+    """Dequantize raw GGUF data into `out` (fp32, contiguous, the tensor's shape), chunk by chunk.
+
+    Writing in place lets fused parameters be filled without a later concatenation copy;
+    unpermute_heads applies reverse_llama_permute on the way.
+    """
     if qtype not in SUPPORTED_QUANT_TYPES:
         raise ValueError(
             f"GGUF tensor {name!r} has unsupported quantization type {qtype.name}; "
             f"supported: {', '.join(supported_quant_type_names())}"
         )
-    array = dequantize(data, qtype)
-    # F32 returns a read-only view into the memmap: copy so the file can close.
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+    if unpermute_heads is not None:
+        out.copy_(reverse_llama_permute(dequantize_tensor(name, data, qtype), unpermute_heads))
+        return
+    quant = _GGUF_TRAITS.get(qtype)
+    if quant is not None:
+        quant.init_grid()  # lookup tables of the IQ types; a no-op for the others
+    rows = data.reshape(-1, data.shape[-1])  # [rows, bytes per row]
+    dst = out.numpy().reshape(rows.shape[0], -1)  # [rows, values per row]
+    step = max(1, _CHUNK_VALUES // max(1, dst.shape[1]))
+    for i in range(0, rows.shape[0], step):
+        # Same per-block arithmetic as gguf.quants.dequantize, without its 16-row grouping.
+        chunk = rows[i : i + step]
+        dst[i : i + step] = quant.dequantize_rows(chunk) if quant else dequantize(chunk, qtype)
+
+
+def _open(path: str | os.PathLike[str]) -> GGUFFile:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return GGUFFile(path, max_array_len=_MAX_METADATA_ARRAY_LEN)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
 def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -128,53 +163,64 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, t
         FileNotFoundError: the path does not exist.
         ValueError: not a GGUF file, or a tensor of an unsupported quantization type.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    tensors = {t.name: dequantize_tensor(t.name, t.data, t.tensor_type) for t in reader.tensors}
-    return read_metadata(reader), tensors
+    gguf_file = _open(path)
+    tensors = {
+        t.name: dequantize_tensor(t.name, gguf_file.raw(t), t.qtype)
+        for t in gguf_file.header.tensors
+    }
+    return gguf_file.header.metadata, tensors
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Read, dequantize and rename every tensor of a GGUF file into HF layout.
 
+    Tensors that LlamaForCausalLM fuses (q/k/v, gate/up) are dequantized back to back into one
+    buffer per layer, so the state dict holds adjacent views that the model adopts without a copy.
+
     Raises:
         FileNotFoundError: the path does not exist.
         ValueError: unsupported architecture, quantization type or tensor name.
     """
-    metadata, tensors = read_gguf(path)
+    gguf_file = _open(path)
+    metadata = gguf_file.header.metadata
     gguf_arch = metadata.get("general.architecture")
     if gguf_arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF general.architecture {gguf_arch!r} in {path}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    rope_freqs = tensors.pop(_ROPE_FREQS, None)
-    state_dict = {gguf_to_hf_name(name): weight for name, weight in tensors.items()}
-    rope_freq_factors = rope_freqs.tolist() if rope_freqs is not None else None
+    infos = {t.name: t for t in gguf_file.header.tensors}
+    rope_freqs = infos.pop(_ROPE_FREQS, None)
+    hf_names = {name: gguf_to_hf_name(name) for name in infos}  # unknown names raise here
+    rope_freq_factors = None
+    if rope_freqs is not None:
+        raw = gguf_file.raw(rope_freqs)
+        rope_freq_factors = dequantize_tensor(_ROPE_FREQS, raw, rope_freqs.qtype).tolist()
 
-    embed = state_dict.get("model.embed_tokens.weight")
+    embed = infos.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{path} has no token_embd.weight tensor")
     arch_config = ModelArchConfig.from_gguf_metadata(
         metadata,
         vocab_size=embed.shape[0],
-        tie_word_embeddings="lm_head.weight" not in state_dict,
+        tie_word_embeddings="output.weight" not in infos,
         rope_freq_factors=rope_freq_factors,
     )
-    if gguf_arch == "llama":  # qwen2 etc. are stored unpermuted by convert_hf_to_gguf
-        for hf_name in list(state_dict):
-            if ".q_proj." in hf_name:
-                heads = arch_config.num_attention_heads
-            elif ".k_proj." in hf_name:
-                heads = arch_config.num_key_value_heads
-            else:
-                continue
-            state_dict[hf_name] = reverse_llama_permute(state_dict[hf_name], heads)
+    # qwen2 etc. are stored unpermuted by convert_hf_to_gguf; llama's q/k rows are permuted.
+    heads = {}
+    if gguf_arch == "llama":
+        heads = {
+            "attn_q": arch_config.num_attention_heads,
+            "attn_k": arch_config.num_key_value_heads,
+        }
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, out in _allocate(infos).items():
+        info = infos[name]
+        part = m.group(2) if (m := _LAYER_RE.match(name)) else None
+        unpermute = heads.get(part) if part else None
+        dequantize_into(name, out, gguf_file.raw(info), info.qtype, unpermute_heads=unpermute)
+        state_dict[hf_names[name]] = out
 
     return GGUFCheckpoint(
         state_dict=state_dict,
@@ -184,3 +230,26 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         eos_token_ids=arch_config.eos_token_ids,
         metadata=metadata,
     )
+
+
+def _allocate(infos: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """Uninitialised fp32 outputs in file order; each fused group is views of one buffer."""
+    groups: dict[tuple[str, int, str], list[str]] = {}  # (layer, group, weight|bias) -> names
+    for name in infos:
+        m = _LAYER_RE.match(name)
+        for index, members in enumerate(_FUSED_GROUPS):
+            if m and m.group(2) in members:
+                groups.setdefault((m.group(1), index, m.group(3)), []).append(name)
+
+    outputs: dict[str, torch.Tensor] = {}
+    for (_, index, _), names in groups.items():
+        names.sort(key=lambda n: _FUSED_GROUPS[index].index(n.split(".")[2]))
+        shapes = [infos[n].shape for n in names]
+        if len({shape[1:] for shape in shapes}) != 1:
+            continue  # rows of different widths cannot be stacked; allocated one by one below
+        buffer = torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=torch.float32)
+        outputs.update(zip(names, buffer.split([s[0] for s in shapes])))
+    return {
+        name: outputs[name] if name in outputs else torch.empty(info.shape, dtype=torch.float32)
+        for name, info in infos.items()
+    }

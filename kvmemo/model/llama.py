@@ -64,7 +64,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight skips nn.Embedding's normal_ init, which on the meta device imports torch's
+        # decompositions (~1 s); weights always come from load_weights / from_state_dict.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
@@ -83,13 +89,25 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> LlamaForCausalLM:
-        """Build without random init (meta device), then allocate and load_weights."""
+        """Build on the meta device (no init, no allocation), then adopt the fused weights.
+
+        Parameters share memory with the given tensors where dtype and device already match (no
+        copy); fused ones (qkv, gate_up) too when their parts lie back to back in one buffer, as
+        load_gguf lays them out, else they are one torch.cat. Same checks as load_weights.
+        """
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
-        if config.tie_word_embeddings:  # to_empty may have split the shared parameter
+        model._check_keys(state_dict)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, hf_names in model._fusion_plan():
+                weight = _concat_rows([state_dict[n] for n in hf_names])
+                weight = weight.to(device=device, dtype=dtype).contiguous()
+                _check_shape(hf_names, weight, params[name])
+                module, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(module), attr, nn.Parameter(weight))
+        if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(state_dict)
         return model.eval()
 
     @torch.inference_mode()
@@ -123,6 +141,17 @@ class LlamaForCausalLM(nn.Module):
         Strict: a missing or unexpected key raises ValueError. `lm_head.weight` is optional (and
         ignored) when embeddings are tied; `rotary_emb.inv_freq` buffers are ignored.
         """
+        self._check_keys(state_dict)
+        for dst, names in self._weight_plan():
+            src = torch.cat([state_dict[n].to(dst.dtype) for n in names], dim=0)  # [sum(out), ...]
+            _check_shape(names, src, dst)
+            dst.copy_(src)
+
+    def hf_weight_names(self) -> list[str]:
+        """Every HF checkpoint key this config requires."""
+        return [name for _, names in self._fusion_plan() for name in names]
+
+    def _check_keys(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         expected = set(self.hf_weight_names())
         given = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:
@@ -135,40 +164,57 @@ class LlamaForCausalLM(nn.Module):
                 f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
             )
 
-        for dst, names in self._weight_plan():
-            src = torch.cat([state_dict[n].to(dst.dtype) for n in names], dim=0)  # [sum(out), ...]
-            if src.shape != dst.shape:
-                raise ValueError(
-                    f"{names} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.copy_(src)
-
-    def hf_weight_names(self) -> list[str]:
-        """Every HF checkpoint key this config requires."""
-        return [name for _, names in self._weight_plan() for name in names]
-
     def _weight_plan(self) -> list[tuple[torch.Tensor, list[str]]]:
-        """(our parameter, HF names concatenated along dim 0 into it): the one fusion map."""
+        """(our parameter, HF names concatenated along dim 0 into it)."""
+        params = dict(self.named_parameters())
+        return [(params[name], hf_names) for name, hf_names in self._fusion_plan()]
+
+    def _fusion_plan(self) -> list[tuple[str, list[str]]]:
+        """(our parameter name, HF names concatenated along dim 0 into it): the one fusion map."""
         plan = [
-            (self.embed_tokens.weight, ["model.embed_tokens.weight"]),
-            (self.norm.weight, ["model.norm.weight"]),
+            ("embed_tokens.weight", ["model.embed_tokens.weight"]),
+            ("norm.weight", ["model.norm.weight"]),
         ]
         if not self.config.tie_word_embeddings:
-            plan.append((self.lm_head.weight, ["lm_head.weight"]))
+            plan.append(("lm_head.weight", ["lm_head.weight"]))
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
+            ours, p = f"layers.{i}.", f"model.layers.{i}."
             qkv = [f"{p}self_attn.{proj}_proj" for proj in ("q", "k", "v")]
             gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-            plan.append((layer.qkv_proj.weight, [f"{n}.weight" for n in qkv]))
+            plan.append((f"{ours}qkv_proj.weight", [f"{n}.weight" for n in qkv]))
             if layer.qkv_proj.bias is not None:
-                plan.append((layer.qkv_proj.bias, [f"{n}.bias" for n in qkv]))
-            plan.append((layer.o_proj.weight, [f"{p}self_attn.o_proj.weight"]))
+                plan.append((f"{ours}qkv_proj.bias", [f"{n}.bias" for n in qkv]))
+            plan.append((f"{ours}o_proj.weight", [f"{p}self_attn.o_proj.weight"]))
             if layer.o_proj.bias is not None:
-                plan.append((layer.o_proj.bias, [f"{p}self_attn.o_proj.bias"]))
+                plan.append((f"{ours}o_proj.bias", [f"{p}self_attn.o_proj.bias"]))
             plan += [
-                (layer.mlp.gate_up_proj.weight, gate_up),
-                (layer.mlp.down_proj.weight, [f"{p}mlp.down_proj.weight"]),
-                (layer.input_layernorm.weight, [f"{p}input_layernorm.weight"]),
-                (layer.post_attention_layernorm.weight, [f"{p}post_attention_layernorm.weight"]),
+                (f"{ours}mlp.gate_up_proj.weight", gate_up),
+                (f"{ours}mlp.down_proj.weight", [f"{p}mlp.down_proj.weight"]),
+                (f"{ours}input_layernorm.weight", [f"{p}input_layernorm.weight"]),
+                (f"{ours}post_attention_layernorm.weight", [f"{p}post_attention_layernorm.weight"]),
             ]
         return plan
+
+
+def _concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts, dim=0), but a view without a copy when the parts are contiguous and
+    adjacent in one storage, in order (views of one fused buffer)."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for part in parts:
+        if (
+            not part.is_contiguous()
+            or part.dtype != first.dtype
+            or part.shape[1:] != first.shape[1:]
+            or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or part.storage_offset() != offset
+        ):
+            return torch.cat(parts, dim=0)
+        offset += part.numel()
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _check_shape(names: list[str], src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.shape != dst.shape:
+        raise ValueError(f"{names} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,8 @@ import torch
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.gguf import load_gguf
 from kvmemo.model.llama import LlamaForCausalLM
-from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
 from kvmemo.model.safetensors_loader import load_safetensors_dir, safetensors_files
+from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 

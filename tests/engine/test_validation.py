@@ -71,3 +71,21 @@ def test_cli_generate_json():
     result = json.loads(proc.stdout)
     assert len(result["token_ids"]) <= 5 and result["text"]
     assert result["prompt_tokens"] > 0
+
+
+@pytest.mark.model
+def test_cli_chat_keeps_the_conversation_and_reuses_its_kv():
+    import re
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmemo.cli", "chat", "--max-tokens", "20", "--system", "Answer briefly."],
+        input="What is 2 + 2?\nAnd 3 + 3?\n/exit\n",
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("assistant>") == 2
+    stats = [tuple(map(int, m)) for m in re.findall(r"\[(\d+) prompt tokens, (\d+) cached", proc.stderr)]
+    assert len(stats) == 2
+    (first_prompt, _), (second_prompt, second_cached) = stats
+    assert second_prompt > first_prompt  # the second turn carries the first
+    assert second_cached >= first_prompt - 16  # ... and reuses its KV (up to a partial block)

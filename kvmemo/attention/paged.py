@@ -2,6 +2,8 @@
 
 Invariant: equal (to float tolerance) to torch_ref.paged_attention_ref for every batch.
 Grouped-query heads are folded into query rows ([Hkv, G * Lq, D]) so K/V are never repeated.
+When every sequence starts with the same cached blocks (a shared system prompt), the batch goes
+to cascade.py instead, which reads those blocks once rather than once per sequence.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvmemo.attention.cascade import cascade_attention, cascade_prefix_blocks
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.torch_ref import gather_sequence_kv
 
@@ -21,6 +24,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D] rotated queries; K/V of this step already written. Returns [T, Hq, D]."""
+    prefix_blocks = cascade_prefix_blocks(metadata)
+    if prefix_blocks:
+        return cascade_attention(q, k_cache, v_cache, metadata, prefix_blocks, scale)
     out = torch.empty_like(q)
     decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
     if len(decode) == metadata.num_seqs:

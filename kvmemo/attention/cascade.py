@@ -1,0 +1,232 @@
+"""Cascade (shared-prefix) attention: attend to a prefix every sequence shares once, then merge.
+
+Concept: when all sequences of a step start with the same physical blocks (a prefix-cache hit on
+one system prompt), attention splits exactly into two parts over disjoint key sets:
+  prefix: every query against the shared keys [0, prefix_len), gathered ONCE, one batched call;
+  suffix: each sequence's own keys [prefix_len, seq_len), causal for its new tokens.
+Each part returns its output and per-row log-sum-exp (lse); the merge reweights them, in fp32:
+  out = (o_p * e^(lse_p - m) + o_s * e^(lse_s - m)) / (e^(lse_p - m) + e^(lse_s - m))
+      = o_s + (o_p - o_s) * sigmoid(lse_p - lse_s).
+
+Invariant: used only when every sequence has already cached the whole prefix
+(num_computed_tokens >= prefix_len), so every query sees every prefix key without a mask and
+every suffix holds at least the sequence's new tokens (>= 1 key). Then the result equals
+torch_ref.paged_attention_ref to float tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.attention.torch_ref import gather_sequence_kv
+
+# When cascade pays (CPU, Hq=9, Hkv=3, D=64, fp32, min-of-25 A/B against the per-sequence
+# gather): it adds ~100-150 us of fixed work (a second attention call, masks, merge) and saves
+# gathering the prefix once per extra sequence. Break-even seen near prefix 64-128 tokens at
+# 32 sequences and ~900 saved tokens at 8; at 32 x 1,024 it is ~5-10x faster. Read at call time,
+# so tests can lower them.
+MIN_PREFIX_TOKENS = 128
+MIN_SAVED_TOKENS = 768  # (num_seqs - 1) * prefix_len: prefix K/V rows no longer gathered
+
+
+def common_prefix_blocks(block_tables: torch.Tensor, max_blocks: int) -> int:
+    """Leading columns (at most max_blocks) of block_tables [S, maxb] equal in every row."""
+    tables = block_tables[:, :max_blocks]  # [S, nb]
+    same = (tables == tables[:1]).all(dim=0)  # [nb] column c identical across sequences
+    return int(same.cumprod(dim=0).sum())  # length of the leading all-True run
+
+
+def cascade_prefix_blocks(metadata: AttentionMetadata) -> int:
+    """P, the shared blocks cascade attention should use this step, or 0 to not use it.
+
+    P is the longest run of leading block ids shared by every sequence AND fully cached by every
+    sequence (capped at min(num_computed_tokens) // block_size), so the prefix needs no mask.
+    """
+    block_size = metadata.block_size
+    min_computed = min((s - q for s, q in zip(metadata.seq_lens, metadata.query_lens)), default=0)
+    if min_computed < block_size or not _pays_off(metadata.num_seqs, min_computed):
+        return 0  # cheap exit before touching tensors
+    prefix_blocks = common_prefix_blocks(metadata.block_tables, min_computed // block_size)
+    return (
+        prefix_blocks
+        if prefix_blocks and _pays_off(metadata.num_seqs, prefix_blocks * block_size)
+        else 0
+    )
+
+
+def _pays_off(num_seqs: int, prefix_len: int) -> bool:
+    return (
+        num_seqs >= 2
+        and prefix_len >= MIN_PREFIX_TOKENS
+        and (num_seqs - 1) * prefix_len >= MIN_SAVED_TOKENS
+    )
+
+
+def cascade_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    prefix_blocks: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the whole batch with the first prefix_blocks blocks shared. Returns [T, Hq, D]."""
+    prefix_ids = metadata.block_tables[0, :prefix_blocks]
+    k_prefix = k_cache.index_select(0, prefix_ids).flatten(0, 1).to(q.dtype)  # [Lp, Hkv, D]
+    v_prefix = v_cache.index_select(0, prefix_ids).flatten(0, 1).to(q.dtype)
+    o_prefix, lse_prefix = _prefix_attention(q, k_prefix, v_prefix, scale)
+    o_suffix, lse_suffix = _suffix_attention(q, k_cache, v_cache, metadata, prefix_blocks, scale)
+    return merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix).to(q.dtype)
+
+
+def merge_attention_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Softmax-merge two partial attentions over disjoint keys. o: [T, H, D], lse: [T, H]. fp32 out.
+
+    w_a / (w_a + w_b) with w = exp(lse - max) is exactly sigmoid(lse_a - lse_b).
+    """
+    weight_a = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)  # [T, H, 1]
+    o_b = o_b.float()
+    return o_b + (o_a.float() - o_b) * weight_a
+
+
+def _prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All T queries against the shared keys, no mask. q: [T, Hq, D]; k, v: [Lp, Hkv, D].
+
+    Returns o [T, Hq, D] and lse [T, Hq] (fp32).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # [T, Hkv, G, D] -> [1, Hkv, T * G, D]: row t * G + g is token t of head h * G + g.
+    qg = q.view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
+    qg = qg.reshape(1, num_kv_heads, num_tokens * group, head_dim)
+    o, lse = attention_with_lse(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, scale)
+    o = o.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+    lse = lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
+    return o.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
+
+
+def _suffix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    prefix_blocks: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence against its own keys [prefix_len, seq_len). Returns o [T, Hq, D], lse [T, Hq]."""
+    num_tokens, num_heads, _ = q.shape
+    decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
+    if len(decode) == metadata.num_seqs:
+        return _batched_decode_suffix(q, k_cache, v_cache, metadata, decode, prefix_blocks, scale)
+    out = torch.empty_like(q)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    prefix_len = prefix_blocks * metadata.block_size
+    if decode:
+        rows = torch.tensor([metadata.query_start_loc[s] for s in decode], device=q.device)
+        o_d, lse_d = _batched_decode_suffix(
+            q.index_select(0, rows), k_cache, v_cache, metadata, decode, prefix_blocks, scale
+        )
+        out[rows], lse[rows] = o_d, lse_d
+    for s, query_len in enumerate(metadata.query_lens):
+        if query_len == 1:
+            continue
+        start, end = metadata.query_start_loc[s], metadata.query_start_loc[s + 1]
+        suffix_len = metadata.seq_lens[s] - prefix_len
+        table = metadata.block_tables[s, prefix_blocks:]
+        k = gather_sequence_kv(k_cache, table, suffix_len).to(q.dtype)  # [Ls, Hkv, D]
+        v = gather_sequence_kv(v_cache, table, suffix_len).to(q.dtype)
+        out[start:end], lse[start:end] = _prefill_suffix(q[start:end], k, v, scale)
+    return out, lse
+
+
+def _batched_decode_suffix(
+    q: torch.Tensor,  # [B, Hq, D], one query per decode sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    decode: list[int],
+    prefix_blocks: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded gather of only the suffix blocks, masked per sequence. Returns [B, Hq, D], [B, Hq]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    batch, num_heads = q.shape[0], q.shape[1]
+    group = num_heads // num_kv_heads
+    prefix_len = prefix_blocks * block_size
+    suffix_lens = [metadata.seq_lens[s] - prefix_len for s in decode]
+    num_blocks = -(-max(suffix_lens) // block_size)
+    rows = metadata.block_tables if batch == metadata.num_seqs else metadata.block_tables[decode]
+    tables = rows[:, prefix_blocks : prefix_blocks + num_blocks]  # [B, nb]
+    length = num_blocks * block_size
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, Ls, D]
+    k = k_cache[tables].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    v = v_cache[tables].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    lens = torch.tensor(suffix_lens, device=q.device)
+    valid = torch.arange(length, device=q.device)[None, :] < lens[:, None]  # [B, Ls]
+    qg = q.view(batch, num_kv_heads, group, head_dim)  # heads h*G..h*G+G-1 share kv head h
+    o, lse = attention_with_lse(
+        qg, k, v, valid[:, None, None, :], scale
+    )  # [B, Hkv, G, D], [B, Hkv, G]
+    return o.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def _prefill_suffix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [Lq, Hq, D]; k, v: [Ls, Hkv, D], the last Lq keys being the queries' own. Causal."""
+    query_len, num_heads, head_dim = q.shape
+    suffix_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    # [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
+    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
+    q_pos = torch.arange(suffix_len - query_len, suffix_len, device=q.device)
+    valid = torch.arange(suffix_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Ls]
+    o, lse = attention_with_lse(
+        qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], valid.repeat(group, 1), scale
+    )  # [1, Hkv, G * Lq, D], [1, Hkv, G * Lq]
+    o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
+    lse = lse.view(num_kv_heads, group, query_len).permute(2, 0, 1)
+    return o.reshape(query_len, num_heads, head_dim), lse.reshape(query_len, num_heads)
+
+
+def attention_with_lse(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, H, Lk, D]
+    v: torch.Tensor,
+    valid: torch.Tensor | None,  # bool, broadcastable to [B, H, Lq, Lk]; every row has a True
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning o [B, H, Lq, D] and the fp32 log-sum-exp of scores [B, H, Lq].
+
+    CPU uses the fused flash kernel (tiled, ~5x faster than matmul + logsumexp, measured);
+    other devices use the explicit math.
+    """
+    if q.device.type == "cpu":
+        bias = None
+        if valid is not None:  # the CPU flash kernel takes an additive mask of q's dtype
+            bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~valid, float("-inf")
+            )
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias, scale=scale
+        )
+    return attention_with_lse_math(q, k, v, valid, scale)
+
+
+def attention_with_lse_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The explicit form of attention_with_lse, in fp32. Materialises scores [B, H, Lq, Lk]."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, Lq]
+    o = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return o.to(q.dtype), lse

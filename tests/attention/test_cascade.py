@@ -1,0 +1,260 @@
+"""Cascade (shared-prefix) attention equals the reference, and is used exactly when it applies."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvmemo.attention import cascade
+from kvmemo.attention.cache import PagedKVCache, write_kv
+from kvmemo.attention.cascade import (
+    attention_with_lse,
+    attention_with_lse_math,
+    cascade_attention,
+    cascade_prefix_blocks,
+    common_prefix_blocks,
+)
+from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.attention.paged import paged_attention
+from kvmemo.attention.torch_ref import paged_attention_ref
+
+HEAD_DIM = 16
+NUM_KV_HEADS = 2
+
+
+@pytest.fixture
+def any_prefix(monkeypatch):
+    """Let cascade apply to the tiny prefixes of these tests (the defaults are tuned for speed)."""
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 1)
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
+
+
+def build_batch(
+    *,
+    prefix_blocks: int,
+    block_size: int,
+    group: int,
+    computed: list[int],
+    new: list[int],
+    rng: random.Random,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Sequences whose tables start with the same prefix_blocks physical blocks, own blocks after.
+
+    Sequence s's K/V for positions [0, computed[s]) is written before the step, the new tokens
+    through slot_mapping; shared positions hold one K/V for everybody. Returns q, k/v cache, md.
+    """
+    prefix_len = prefix_blocks * block_size
+    own_blocks = [-(-(c + n) // block_size) - prefix_blocks for c, n in zip(computed, new)]
+    num_blocks = prefix_blocks + sum(max(b, 0) for b in own_blocks) + 2
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # physical ids are not contiguous
+    shared = [ids.pop() for _ in range(prefix_blocks)]
+    tables = [
+        shared + [ids.pop() for _ in range(b)] if b >= 0 else shared[: prefix_blocks + b]
+        for b in own_blocks
+    ]
+    cache = PagedKVCache.allocate(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        device="cpu",
+    )
+    k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
+    shared_k, shared_v = (
+        torch.randn(prefix_len, NUM_KV_HEADS, HEAD_DIM),
+        torch.randn(prefix_len, NUM_KV_HEADS, HEAD_DIM),
+    )
+    new_k, new_v = [], []
+    for table, c, n in zip(tables, computed, new):
+        own_k = torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM)
+        own_v = torch.randn(c + n, NUM_KV_HEADS, HEAD_DIM)
+        shared_part = min(prefix_len, c + n)
+        own_k[:shared_part], own_v[:shared_part] = shared_k[:shared_part], shared_v[:shared_part]
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(c)],
+            dtype=torch.int64,
+        )
+        write_kv(k_cache, v_cache, own_k[:c], own_v[:c], slots)
+        new_k.append(own_k[c:])
+        new_v.append(own_v[c:])
+    md = AttentionMetadata.build(
+        block_tables=tables,
+        num_computed_tokens=computed,
+        query_lens=new,
+        block_size=block_size,
+        num_cache_blocks=num_blocks,
+        request_ids=[f"r{i}" for i in range(len(new))],
+    )
+    write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), md.slot_mapping)
+    q = torch.randn(md.num_tokens, NUM_KV_HEADS * group, HEAD_DIM, dtype=dtype)
+    return q, k_cache, v_cache, md
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_cascade_matches_reference_on_random_shared_prefix_batches(any_prefix, group, block_size):
+    for seed in range(6):
+        rng = random.Random(seed * 1000 + group * 100 + block_size)
+        torch.manual_seed(seed)
+        prefix_blocks = rng.randint(1, 5)
+        prefix_len = prefix_blocks * block_size
+        num_seqs = rng.randint(2, 6)
+        # Own cached tokens after the prefix: none, a partial block, exactly a block, several.
+        computed = [
+            prefix_len
+            + rng.choice([0, 1, block_size - 1, block_size, rng.randint(0, 3 * block_size)])
+            for _ in range(num_seqs)
+        ]
+        # Mixed decodes and prefill chunks over the cached prefix (suffixes of 1..several blocks).
+        new = [rng.choice([1, 1, rng.randint(2, 3 * block_size)]) for _ in range(num_seqs)]
+        if seed == 0:
+            new = [1] * num_seqs  # the pure-decode path
+        q, k_cache, v_cache, md = build_batch(
+            prefix_blocks=prefix_blocks,
+            block_size=block_size,
+            group=group,
+            computed=computed,
+            new=new,
+            rng=rng,
+        )
+        assert cascade_prefix_blocks(md) == prefix_blocks
+        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        got = paged_attention(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        torch.testing.assert_close(
+            got,
+            expected,
+            atol=1e-5,
+            rtol=1e-5,
+            msg=f"P={prefix_blocks} computed={computed} new={new}",
+        )
+
+
+@pytest.mark.parametrize("use_prefix_blocks", [1, 2, 3])
+def test_cascade_with_any_cached_shared_prefix_length(use_prefix_blocks):
+    # Any P up to the shared, cached run is exact: the split point is free.
+    rng = random.Random(use_prefix_blocks)
+    q, k_cache, v_cache, md = build_batch(
+        prefix_blocks=3, block_size=8, group=3, computed=[24, 30, 41], new=[1, 5, 9], rng=rng
+    )
+    torch.testing.assert_close(
+        cascade_attention(q, k_cache, v_cache, md, use_prefix_blocks, 0.3),
+        paged_attention_ref(q, k_cache, v_cache, md, 0.3),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_sequence_still_computing_inside_prefix_limits_the_prefix(any_prefix):
+    # Sequence 0 has cached 1 block + 3 tokens of the 3 shared blocks: only the first block is
+    # cached by everybody, so cascade may use 1 block at most (none if < 1 block is cached).
+    rng = random.Random(7)
+    q, k_cache, v_cache, md = build_batch(
+        prefix_blocks=3, block_size=8, group=4, computed=[11, 24, 30], new=[20, 1, 4], rng=rng
+    )
+    assert cascade_prefix_blocks(md) == 1
+    torch.testing.assert_close(
+        paged_attention(q, k_cache, v_cache, md, 0.3),
+        paged_attention_ref(q, k_cache, v_cache, md, 0.3),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    q, k_cache, v_cache, md = build_batch(
+        prefix_blocks=3, block_size=8, group=4, computed=[5, 24, 30], new=[26, 1, 4], rng=rng
+    )
+    assert cascade_prefix_blocks(md) == 0
+    torch.testing.assert_close(
+        paged_attention(q, k_cache, v_cache, md, 0.3),
+        paged_attention_ref(q, k_cache, v_cache, md, 0.3),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_no_shared_block_or_single_sequence_falls_back(any_prefix):
+    rng = random.Random(3)
+    for prefix_blocks, computed, new in [(0, [20, 33, 9], [1, 6, 1]), (2, [19], [5])]:
+        q, k_cache, v_cache, md = build_batch(
+            prefix_blocks=prefix_blocks, block_size=8, group=3, computed=computed, new=new, rng=rng
+        )
+        assert cascade_prefix_blocks(md) == 0
+        torch.testing.assert_close(
+            paged_attention(q, k_cache, v_cache, md, 0.3),
+            paged_attention_ref(q, k_cache, v_cache, md, 0.3),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+def test_detection_counts_leading_identical_block_columns():
+    assert common_prefix_blocks(torch.tensor([[5, 6, 7, 9], [5, 6, 7, 2]]), 4) == 3
+    assert common_prefix_blocks(torch.tensor([[5, 6], [4, 6]]), 2) == 0
+    assert common_prefix_blocks(torch.tensor([[5, 6, 7], [5, 6, 7]]), 3) == 3
+    assert common_prefix_blocks(torch.tensor([[5, 6, 7], [5, 6, 7]]), 2) == 2  # capped
+    assert common_prefix_blocks(torch.tensor([[5, 6, 7], [5, 6, 7], [5, 1, 7]]), 3) == 1
+
+
+def test_default_thresholds_skip_small_prefixes_and_take_the_product_workload():
+    # 32 sequences over a 1,024-token shared prompt (64 blocks of 16): cascade; 2 blocks: not.
+    block_size, tables = 16, []
+    for s in range(32):
+        tables.append(list(range(64)) + [64 + 5 * s + i for i in range(5)])
+    md = AttentionMetadata.build(
+        block_tables=tables,
+        num_computed_tokens=[1024 + 40] * 32,
+        query_lens=[1] * 32,
+        block_size=block_size,
+        num_cache_blocks=64 + 5 * 32,
+        request_ids=[str(s) for s in range(32)],
+    )
+    assert cascade_prefix_blocks(md) == 64
+    small = AttentionMetadata.build(
+        block_tables=[[0, 1, 2 + s] for s in range(4)],
+        num_computed_tokens=[40] * 4,
+        query_lens=[1] * 4,
+        block_size=block_size,
+        num_cache_blocks=8,
+        request_ids=list("abcd"),
+    )
+    assert cascade_prefix_blocks(small) == 0
+
+
+def test_low_precision_cache_is_cast_like_the_reference(any_prefix):
+    rng = random.Random(11)
+    for dtype, tol in [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)]:
+        torch.manual_seed(0)
+        q, k_cache, v_cache, md = build_batch(
+            prefix_blocks=2,
+            block_size=8,
+            group=3,
+            computed=[16, 21, 30],
+            new=[1, 7, 1],
+            rng=rng,
+            dtype=dtype,
+        )
+        for q_in in (
+            q.float(),
+            q,
+        ):  # fp32 queries over a low-precision cache, and all low-precision
+            got = paged_attention(q_in, k_cache, v_cache, md, 0.3)
+            assert got.dtype == q_in.dtype
+            expected = paged_attention_ref(q_in, k_cache, v_cache, md, 0.3)
+            t = 1e-5 if q_in.dtype == torch.float32 else tol
+            torch.testing.assert_close(got, expected, atol=t, rtol=t)
+
+
+def test_fused_and_explicit_lse_attention_agree():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16)
+    valid = torch.rand(2, 1, 5, 9) > 0.4
+    valid[..., 0] = True  # every row sees a key
+    for mask in (None, valid):
+        o_fused, lse_fused = attention_with_lse(q, k, v, mask, 0.25)
+        o_math, lse_math = attention_with_lse_math(q, k, v, mask, 0.25)
+        torch.testing.assert_close(o_fused, o_math, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse_fused, lse_math, atol=1e-5, rtol=1e-5)

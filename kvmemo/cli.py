@@ -26,6 +26,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--no-partial-reuse", action="store_true", help="do not copy partially filled matching blocks")
+    g.add_argument("--kv-store", default=None, help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB (default: off)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 
@@ -52,6 +53,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_partial_reuse=not args.no_partial_reuse,
+        kv_store=args.kv_store,
     )
 
 
@@ -81,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_flags(chat)
     _add_engine_flags(chat)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (needs the `serve` extra)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    serve.add_argument("--max-waiting", type=int, default=256, help="waiting sequences before 503 (default: 256)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's stem)")
+    _add_engine_flags(serve)
     return parser
 
 
@@ -140,6 +149,26 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_cached_tokens} cached, ttft {m.ttft_s * 1000:.0f} ms]", file=sys.stderr)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvmemo.server.serve import serve
+
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    # Request and stats lines are the server's log, not debug detail: show them by default.
+    for name in ("kvmemo.server", "kvmemo.engine.async_engine"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        served_model_name=args.served_model_name,
+        engine_options=_engine_options(args),
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -150,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "serve":
+            return _cmd_serve(args)
         return _cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

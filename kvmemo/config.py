@@ -55,6 +55,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed of the sampler's default generator
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    kv_store: str | None = None  # persistent KV store, "disk:/path?capacity=20GiB"; None = off
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, MODEL_DTYPES)
@@ -69,6 +70,12 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
+        if self.kv_store is not None:
+            from kvmemo.connector.spec import parse_kv_store  # stdlib only; imports this module
+
+            parse_kv_store(self.kv_store)
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_store needs enable_prefix_caching=True (blocks are saved when committed)")
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -11,12 +11,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from kvmemo.attention.cache import PagedKVCache, kv_bytes_per_token, resolve_kv_dtype
 from kvmemo.config import EngineConfig
+from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.model_runner import ModelRunner
 from kvmemo.engine.processor import InputProcessor
@@ -107,12 +109,15 @@ class Engine:
             self.hasher,
             enable_caching=config.enable_prefix_caching,
             enable_partial_reuse=config.enable_partial_reuse,
-            enable_events=config.enable_kv_events,
+            # The KV store saves what BlockStored events announce, so it needs them too.
+            enable_events=config.enable_kv_events or config.kv_store is not None,
         )
+        self.kv_connector = _build_kv_connector(config, root, loaded.path, kv_cache)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
             self.kv_manager,
             self.hasher,
+            self.kv_connector,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -120,6 +125,7 @@ class Engine:
             Sampler(config.seed, self.device),
             scale=arch.head_dim**-0.5,
             device=self.device,
+            kv_connector=self.kv_connector,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
@@ -239,6 +245,21 @@ class Engine:
             "prefix_cache_hit_rate": stats.hit_rate,
             "prefix_cache_evicted_blocks": stats.num_evicted_blocks,
             "prefix_cache_stored_blocks": stats.num_stored_blocks,
+            **self._store_metrics(),
+        }
+
+    def _store_metrics(self) -> dict[str, float | int]:
+        if self.kv_connector is None:
+            return {}
+        s = self.kv_connector.stats
+        return {
+            "store_hit_tokens": s.hit_tokens,
+            "store_miss_tokens": s.miss_tokens,
+            "store_bytes_read": s.bytes_read,
+            "store_bytes_written": s.bytes_written,
+            "store_load_s": s.load_s,
+            "store_save_s": s.save_s,
+            "store_saves_dropped": s.saves_dropped,
         }
 
     def subscribe_kv_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
@@ -252,15 +273,47 @@ class Engine:
         self._kv_event_subscribers.append(callback)
 
     def _publish_kv_events(self) -> None:
-        if not self.config.enable_kv_events:
+        """Drains the step's KV events once and fans them out: the KV store, then subscribers.
+
+        The store copies newly committed blocks off the device here, before the next schedule
+        can evict their pages.
+        """
+        if not self.config.enable_kv_events and self.kv_connector is None:
             return
         events = self.kv_manager.take_events()
-        if events:
+        if not events:
+            return
+        if self.kv_connector is not None:
+            lookup = self.kv_manager.block_pool.get_cached_block
+            self.kv_connector.save_blocks(self.kv_connector.blocks_to_save(events, lookup))
+        if self.config.enable_kv_events:
             for callback in self._kv_event_subscribers:
                 callback(events)
+
+    def flush_kv_store(self) -> None:
+        """Blocks until the KV store has written every queued save (no-op without a store)."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
         """Drop every cached block; refused (False, reason) while requests hold blocks."""
         result = self.kv_manager.reset_prefix_cache()
         self._publish_kv_events()
         return result
+
+
+def _build_kv_connector(
+    config: EngineConfig, root: bytes, model_path: str, kv_cache: PagedKVCache
+) -> StoreKVConnector | None:
+    """The connector over config.kv_store (None when no store is configured)."""
+    if config.kv_store is None:
+        return None
+    from kvmemo.connector.disk import DiskStore
+    from kvmemo.connector.spec import parse_kv_store
+    from kvmemo.connector.store_connector import namespace_for
+
+    spec = parse_kv_store(config.kv_store)
+    namespace = namespace_for(root, Path(model_path).stem, kv_cache)
+    store = DiskStore(spec.path, spec.capacity_bytes, namespace)
+    logger.info("KV store: %s (capacity %.1f GiB)", store.dir, spec.capacity_bytes / 2**30)
+    return StoreKVConnector(store, namespace, config.block_size)

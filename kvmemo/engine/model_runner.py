@@ -1,14 +1,15 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass over the paged cache, then samples.
 
-Invariant: block copies run before the forward; each layer writes the step's K/V into its pages
-before attention reads them; logits are computed only for positions that sample.
+Invariant: block copies, then KV store loads, run before the forward; each layer writes the
+step's K/V into its pages before attention reads them; logits are computed only for positions
+that sample.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -17,6 +18,9 @@ from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import paged_attention
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvmemo.connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class ModelRunner:
         scale: float,
         device: torch.device,
         attention_backend: AttentionBackendFn = paged_attention,
+        kv_connector: KVConnector | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -50,6 +55,9 @@ class ModelRunner:
         self.scale = scale
         self.device = device
         self.attention_backend = attention_backend
+        self.kv_connector = kv_connector  # worker side: loads store blocks into the pages
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(kv_cache)
         # Debug hook for tests: keep the last step's sampling logits.
         self.capture_logits = False
         self.last_logits: torch.Tensor | None = None
@@ -58,6 +66,8 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if output.block_copies:
             self.kv_cache.copy_block_prefixes(output.block_copies)
+        if self.kv_connector is not None and output.kv_connector_metadata is not None:
+            self.kv_connector.start_load_kv(output.kv_connector_metadata)
         if output.is_empty:
             return ModelRunnerOutput(sampled={})
         seqs = output.sequences

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvmemo.kv.hashing import BlockHash, RequestHasher
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvmemo.connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +37,17 @@ class SchedulerLimits:
 class Scheduler:
     """Owns the waiting queue and the running list; the KV manager owns the blocks."""
 
-    def __init__(self, limits: SchedulerLimits, kv_manager: KVCacheManager, hasher: RequestHasher):
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv_manager: KVCacheManager,
+        hasher: RequestHasher,
+        connector: KVConnector | None = None,
+    ):
         self.limits = limits
         self.kv = kv_manager
         self.hasher = hasher
+        self.connector = connector  # external KV store: hits beyond the device prefix cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -102,16 +113,28 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
                 request = self.waiting.popleft()
                 prefix = self.kv.get_computed_blocks(request)
-                if self._next_block_in_flight(request, prefix.num_tokens, in_flight):
+                num_external = 0
+                if self.connector is not None:
+                    num_full = len(prefix.blocks) * self.kv.block_size
+                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_full)
+                    if num_external > 0 and prefix.partial is not None:
+                        # The store has the whole block the partial match covers part of.
+                        prefix = replace(prefix, partial=None, num_tokens=num_full)
+                num_cached = prefix.num_tokens + num_external
+                if self._next_block_in_flight(request, num_cached, in_flight):
                     deferred.append(request)
                     continue
-                num_new = min(request.num_tokens - prefix.num_tokens, budget)
-                if self.kv.allocate_slots(request, num_new, prefix) is None:
+                num_new = min(request.num_tokens - num_cached, budget)
+                new_block_ids = self.kv.allocate_slots(request, num_external + num_new, prefix)
+                if new_block_ids is None:
                     self.waiting.appendleft(request)
                     break
-                request.num_computed_tokens = prefix.num_tokens
+                if self.connector is not None:
+                    # The first num_external // block_size new blocks receive the store's KV.
+                    self.connector.update_state_after_alloc(request, new_block_ids, num_external)
+                request.num_computed_tokens = num_cached
                 if request.num_cached_tokens is None:
-                    request.num_cached_tokens = prefix.num_tokens
+                    request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append((request, num_new))
@@ -132,7 +155,13 @@ class Scheduler:
             for r, n in scheduled
         ]
         copies = [(c.src_block_id, c.dst_block_id, c.num_tokens) for c in self.kv.take_copies()]
-        return SchedulerOutput(sequences=sequences, block_copies=copies, preempted_request_ids=preempted)
+        connector_metadata = self.connector.build_connector_meta() if self.connector is not None else None
+        return SchedulerOutput(
+            sequences=sequences,
+            block_copies=copies,
+            preempted_request_ids=preempted,
+            kv_connector_metadata=connector_metadata,
+        )
 
     def _uncomputed_block_hashes(self, request: Request) -> list[BlockHash]:
         return request.block_hashes[request.num_computed_tokens // self.kv.block_size :]

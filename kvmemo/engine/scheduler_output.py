@@ -1,14 +1,18 @@
 """SchedulerOutput: the contract between the scheduler and the model runner for one step.
 
 Invariant: every scheduled sequence's block table covers num_computed_tokens + len(token_ids)
-tokens, and block_copies run (in order) before the step's forward.
+tokens, and block_copies run (in order), then the connector's loads, before the step's forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvmemo.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmemo.connector.base import ConnectorMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,9 @@ class SchedulerOutput:
     sequences: list[ScheduledSequence]
     block_copies: list[tuple[int, int, int]]  # (src_block_id, dst_block_id, num_tokens), in order
     preempted_request_ids: list[str]  # preempted this step (their KV will be recomputed)
+    # Blocks to load from the KV store, copied into their pages after block_copies, before the
+    # forward (None without a store).
+    kv_connector_metadata: ConnectorMetadata | None = None
 
     @property
     def num_batched_tokens(self) -> int:

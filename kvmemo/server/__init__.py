@@ -1,1 +1,1 @@
-"""server"""
+"""The OpenAI-compatible HTTP server (`kvmemo serve`): FastAPI app over an AsyncEngine."""

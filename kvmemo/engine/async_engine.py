@@ -1,0 +1,374 @@
+"""AsyncEngine: an Engine driven by its own thread, streaming RequestOutputs to asyncio callers.
+
+Invariant: only the engine thread touches the Engine (tokenizer included); callers talk to it
+through a command list guarded by a condition, and outputs come back on one asyncio queue per
+request via loop.call_soon_threadsafe. Every added sequence ends with exactly one finished
+output, an abort, or an error on its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmemo.engine.engine import Engine
+from kvmemo.outputs import RequestOutput
+from kvmemo.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_S = 10.0
+
+
+class QueueFullError(Exception):
+    """The bounded waiting queue is full; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(Exception):
+    """The engine thread stopped or a step failed; the request cannot complete."""
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One update of one sequence: its cumulative output, and text for new logprob token ids."""
+
+    index: int  # which of the request's n samples
+    output: RequestOutput
+    token_texts: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+    cache_salt: str | None
+    fill_context: bool  # max_tokens = whatever context the prompt leaves
+    stream: RequestStream
+    done: asyncio.Future
+
+
+@dataclass
+class _Call:
+    fn: Any
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass
+class _Sequence:
+    stream: RequestStream
+    index: int
+    wants_logprobs: bool
+    num_logprob_entries: int = 0
+
+
+class RequestStream:
+    """The caller's end of one request (n sequences): iterate it for StreamItems."""
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, n: int, loop: asyncio.AbstractEventLoop
+    ):
+        self._engine = engine
+        self.request_id = request_id
+        self.sequence_ids = [f"{request_id}-{j}" for j in range(n)]
+        self._loop = loop
+        self._queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
+        self._num_open = n
+        self.prompt_token_ids: list[int] = []
+
+    def _put(self, item: StreamItem | BaseException) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed; nobody is listening
+            pass
+
+    @property
+    def finished(self) -> bool:
+        return self._num_open == 0
+
+    async def __aiter__(self) -> AsyncIterator[StreamItem]:
+        while self._num_open > 0:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._num_open = 0
+                raise item
+            if item.output.finished:
+                self._num_open -= 1
+            yield item
+
+    def abort(self) -> None:
+        """Abort every unfinished sequence and free its blocks (idempotent, never blocks long)."""
+        if self._num_open > 0:
+            self._num_open = 0
+            self._engine._abort(self.sequence_ids)
+
+
+class AsyncEngine:
+    """Owns an Engine and the thread that steps it.
+
+    Args:
+        engine: a built Engine; nothing else may use it afterwards.
+        max_waiting: at most this many sequences may wait for admission; a request that would
+            exceed it is refused with QueueFullError.
+    """
+
+    def __init__(self, engine: Engine, max_waiting: int = 256):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Call | list[str]] = []
+        self._stopped = False
+        self._sequences: dict[str, _Sequence] = {}
+        self._ids = itertools.count()
+        self.metrics: dict[str, float | int] = engine.get_metrics()  # snapshot, replaced whole
+        self.num_generated_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="kvmemo-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread with a running asyncio loop) -----------------------------
+
+    async def add_request(
+        self,
+        params: SamplingParams,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        fill_context: bool = False,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue one request of params.n sequences; returns once the engine accepted it.
+
+        Raises ValueError (bad prompt, too long, bad cache_salt), QueueFullError or
+        EngineDeadError. Exactly one of prompt and messages must be given.
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(self, request_id, params.n, loop)
+        done = loop.create_future()
+        self._submit(
+            _Add(request_id, prompt, messages, params, cache_salt, fill_context, stream, done)
+        )
+        try:
+            await done
+        except asyncio.CancelledError:
+            stream.abort()  # the add may still land; aborting unknown ids is harmless
+            raise
+        return stream
+
+    async def call(self, fn) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(_Call(fn, loop, done))
+        return await done
+
+    async def reset_prefix_cache(self) -> tuple[bool, str]:
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def _abort(self, sequence_ids: list[str]) -> None:
+        with self._cond:
+            self._commands.append(list(sequence_ids))
+            self._cond.notify()
+
+    def _submit(self, command: _Add | _Call) -> None:
+        with self._cond:
+            if self._stopped or not self._thread.is_alive():
+                raise EngineDeadError("the engine is not running")
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        last_stats = time.monotonic()
+        tokens_at_last_stats = 0
+        while True:
+            with self._cond:
+                while (
+                    not self._commands
+                    and not self._stopped
+                    and not self.engine.has_unfinished_requests()
+                ):
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                commands, self._commands = self._commands, []
+            for command in commands:
+                self._apply(command)
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a failed step poisons every request in the batch
+                    logger.exception("engine step failed; failing all requests")
+                    self._fail_all(EngineDeadError(f"engine step failed: {e}"))
+                    outputs = []
+                self.num_generated_tokens += len(outputs)
+                for out in outputs:
+                    self._deliver(out)
+            self.metrics = self.engine.get_metrics()
+            now = time.monotonic()
+            if now - last_stats >= _STATS_INTERVAL_S:
+                if (
+                    self.num_generated_tokens > tokens_at_last_stats
+                    or self.engine.has_unfinished_requests()
+                ):
+                    self._log_stats(
+                        now - last_stats, self.num_generated_tokens - tokens_at_last_stats
+                    )
+                last_stats, tokens_at_last_stats = now, self.num_generated_tokens
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _apply(self, command: _Add | _Call | list[str]) -> None:
+        if isinstance(command, list):
+            for sequence_id in command:
+                if self._sequences.pop(sequence_id, None) is not None:
+                    self.engine.abort_request(sequence_id)
+            return
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as e:
+                _resolve(command.loop, command.done, error=e)
+            else:
+                _resolve(command.loop, command.done, result=result)
+            return
+        loop = command.stream._loop
+        try:
+            self._add(command)
+        except Exception as e:  # noqa: BLE001 -- ValueError or QueueFullError, for the caller
+            _resolve(loop, command.done, error=e)
+        else:
+            _resolve(loop, command.done, result=None)
+
+    def _add(self, command: _Add) -> None:
+        params = command.params
+        if len(self.engine.scheduler.waiting) + params.n > self.max_waiting:
+            raise QueueFullError(
+                f"the server is overloaded: {len(self.engine.scheduler.waiting)} requests are "
+                f"waiting (limit {self.max_waiting}); retry later"
+            )
+        processor = self.engine.processor
+        if command.messages is not None:
+            text, token_ids = processor.encode_chat(command.messages)
+        else:
+            text, token_ids = None, processor.encode_prompt(command.prompt)
+            if isinstance(command.prompt, str):
+                text = command.prompt
+        if command.fill_context:
+            room = self.engine.max_model_len - len(token_ids)
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        command.stream.prompt_token_ids = token_ids
+        added: list[str] = []
+        try:
+            for j, sequence_id in enumerate(command.stream.sequence_ids):
+                # n samples are n sequences; a seeded request gives each sample its own seed.
+                child = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + j
+                )
+                self.engine.add_request(
+                    token_ids,
+                    child,
+                    request_id=sequence_id,
+                    cache_salt=command.cache_salt,
+                    prompt_text=text,
+                )
+                added.append(sequence_id)
+                self._sequences[sequence_id] = _Sequence(
+                    command.stream, j, params.logprobs is not None
+                )
+        except Exception:
+            for sequence_id in added:
+                self._sequences.pop(sequence_id, None)
+                self.engine.abort_request(sequence_id)
+            raise
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sequence = self._sequences.get(out.request_id)
+        if sequence is None:  # aborted by the caller while the step ran
+            return
+        token_texts: dict[int, str] = {}
+        logprobs = out.outputs[0].logprobs
+        if sequence.wants_logprobs and logprobs:
+            # Decode here: the tokenizer is only safe to use from the engine thread.
+            tokenizer = self.engine.tokenizer
+            for entry in logprobs[sequence.num_logprob_entries :]:
+                for token_id in entry:
+                    if token_id not in token_texts:
+                        token_texts[token_id] = tokenizer.decode([token_id])
+            sequence.num_logprob_entries = len(logprobs)
+        sequence.stream._put(StreamItem(sequence.index, out, token_texts))
+        if out.finished:
+            del self._sequences[out.request_id]
+
+    def _fail_all(self, error: Exception) -> None:
+        for sequence_id, sequence in list(self._sequences.items()):
+            try:
+                self.engine.abort_request(sequence_id)
+            except Exception:  # after a failed step the scheduler may be inconsistent; keep going
+                logger.exception("abort of %s failed", sequence_id)
+            sequence.stream._put(error)
+        self._sequences.clear()
+        with self._cond:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if isinstance(command, _Add):
+                _resolve(command.stream._loop, command.done, error=error)
+            elif isinstance(command, _Call):
+                _resolve(command.loop, command.done, error=error)
+
+    def _log_stats(self, elapsed_s: float, num_tokens: int) -> None:
+        m = self.metrics
+        logger.info(
+            "stats: %.1f gen tok/s, running %d, waiting %d, KV usage %.1f%%, "
+            "prefix hit rate %.1f%%",
+            num_tokens / elapsed_s,
+            m["num_running"],
+            m["num_waiting"],
+            100 * m["kv_usage"],
+            100 * m["prefix_cache_hit_rate"],
+        )
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future,
+    *,
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    def settle() -> None:
+        if future.done():  # the caller was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop is closed
+        pass

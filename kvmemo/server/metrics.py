@@ -1,0 +1,83 @@
+"""Prometheus metrics of one server, on its own CollectorRegistry (never the global one).
+
+Invariant: counters only move when requests run; gauges read the engine thread's latest
+snapshot at scrape time, so a scrape never touches the Engine itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from kvmemo.engine.async_engine import AsyncEngine
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    """Owns the registry and every metric the server exports."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvmemo_requests",
+            "HTTP requests by route and status code",
+            ["route", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvmemo_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvmemo_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvmemo_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvmemo_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.generation_tokens = Counter("kvmemo_generation_tokens", "Generated tokens", registry=r)
+
+        def gauge(name: str, doc: str, read) -> None:
+            Gauge(name, doc, registry=r).set_function(read)
+
+        def m(key: str):
+            return lambda: float(engine.metrics[key])
+
+        gauge("kvmemo_num_requests_running", "Sequences running in the engine", m("num_running"))
+        gauge("kvmemo_num_requests_waiting", "Sequences waiting for admission", m("num_waiting"))
+        gauge(
+            "kvmemo_kv_blocks_in_use",
+            "KV blocks referenced by requests (cached free blocks excluded)",
+            lambda: float(engine.metrics["kv_num_blocks"] - engine.metrics["kv_num_free_blocks"]),
+        )
+        gauge("kvmemo_kv_blocks_total", "KV blocks in the pool", m("kv_num_blocks"))
+        gauge("kvmemo_kv_cache_usage", "Fraction of KV blocks in use", m("kv_usage"))
+        gauge(
+            "kvmemo_prefix_cache_hit_rate",
+            "Prefix-cache hit tokens / queried tokens",
+            m("prefix_cache_hit_rate"),
+        )
+        gauge(
+            "kvmemo_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (cumulative)",
+            m("prefix_cache_hits_tokens"),
+        )
+        gauge(
+            "kvmemo_store_hit_tokens",
+            "Prompt tokens loaded from the persistent KV store (0 without --kv-store)",
+            lambda: float(engine.metrics.get("store_hit_tokens", 0)),
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""OpenAI-compatible request and response models (completions, chat completions, models).
+
+Invariant: every field a request may carry is declared here. Unknown fields are rejected, and
+known OpenAI fields that kvmemo does not implement are accepted only at their neutral value,
+so no field that would change the result is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 16  # samples per request
+MAX_LOGPROBS = 20
+
+# OpenAI fields kvmemo does not implement, with the value that means "off".
+UNSUPPORTED_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": {},
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+    "parallel_tool_calls": None,
+    "service_tier": None,
+    "store": False,
+    "metadata": None,
+    "prediction": None,
+    "modalities": ["text"],
+    "audio": None,
+    "reasoning_effort": None,
+    "web_search_options": None,
+}
+
+
+def check_unsupported(extra_fields: dict[str, Any]) -> None:
+    """Raise ValueError naming the first field that is unknown or set to an unsupported value."""
+    for name, value in extra_fields.items():
+        if name in UNSUPPORTED_NEUTRAL:
+            neutral = UNSUPPORTED_NEUTRAL[name]
+            if value is None or value == neutral or value == {} or value == []:
+                continue
+            raise UnsupportedFieldError(
+                name, f"{name} is not supported by this server (only {neutral!r})"
+            )
+        raise UnsupportedFieldError(name, f"unknown field {name!r}")
+
+
+class UnsupportedFieldError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+_Float = Field(default=None, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both routes. Sampling ranges are checked by SamplingParams (-> 400)."""
+
+    model_config = ConfigDict(extra="allow")  # extras are checked against UNSUPPORTED_NEUTRAL
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, allow_inf_nan=False)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored: it does not change results
+    # kvmemo / vLLM extras
+    cache_salt: str | None = Field(
+        default=None, min_length=1, description="isolates tenants' prefix caches"
+    )
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | list[str]
+        | list[list[int]]
+    )
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_image", "image"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: (
+        str | list[TextPart | ImagePart] | None
+    )  # required; null only means "" (assistant turns)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvmemo"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,51 @@
+"""`kvmemo serve`: build the Engine, wrap it in an AsyncEngine and run the app under uvicorn.
+
+Invariant: the engine is built (model loaded, KV pool allocated) before the port opens, so a
+200 from /health means requests will be served.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def default_model_name(model: str | None) -> str:
+    """The served model name: the model file's stem or the directory's name."""
+    if model is None:
+        from kvmemo.model.loader import bundled_model_path
+
+        model = bundled_model_path()
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def serve(
+    model: str | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    served_model_name: str | None = None,
+    engine_options: dict[str, Any] | None = None,
+) -> None:
+    import uvicorn
+
+    from kvmemo.config import EngineConfig
+    from kvmemo.engine.async_engine import AsyncEngine
+    from kvmemo.engine.engine import Engine
+    from kvmemo.server.app import create_app
+
+    config = EngineConfig.from_kwargs(model=model, **(engine_options or {}))
+    engine = AsyncEngine(Engine(config), max_waiting=max_waiting)
+    name = served_model_name or default_model_name(model)
+    app = create_app(engine, model_name=name, api_key=api_key)
+    logger.info("serving %s on http://%s:%d/v1", name, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,211 @@
+"""AsyncEngine against a scripted fake Engine: streaming, n samples, aborts, a full queue, and a
+failing step. No model, no HTTP: runs in a fraction of a second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvmemo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvmemo.sampling import SamplingParams
+
+
+class _Processor:
+    def encode_prompt(self, prompt):
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string")
+            return [ord(c) for c in prompt]
+        return list(prompt)
+
+    def encode_chat(self, messages):
+        text = "".join(m["content"] for m in messages)
+        return text, self.encode_prompt(text)
+
+
+@dataclass
+class _Scheduler:
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+
+
+class FakeEngine:
+    """Each step gives every sequence one token 'x' (at most 2 sequences run at once)."""
+
+    def __init__(self, fail_on_step: int | None = None):
+        self.processor = _Processor()
+        self.scheduler = _Scheduler()
+        self.tokenizer = None
+        self.max_model_len = 64
+        self.params: dict[str, SamplingParams] = {}
+        self.added: dict[str, SamplingParams] = {}  # every request ever added
+        self.tokens: dict[str, list[int]] = {}
+        self.aborted: list[str] = []
+        self.num_steps = 0
+        self.fail_on_step = fail_on_step
+
+    def add_request(self, prompt, params, *, request_id, cache_salt=None, prompt_text=None):
+        if len(prompt) > self.max_model_len:
+            raise ValueError("prompt is too long")
+        self.params[request_id] = self.added[request_id] = params
+        self.tokens[request_id] = []
+        self.scheduler.waiting.append(request_id)
+        return request_id
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        self._drop(request_id)
+
+    def _drop(self, request_id):
+        self.params.pop(request_id, None)
+        if request_id in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request_id)
+        if request_id in self.scheduler.running:
+            self.scheduler.running.remove(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self):
+        self.num_steps += 1
+        time.sleep(0.001)  # a step takes time, as a real one does
+        if self.num_steps == self.fail_on_step:
+            raise RuntimeError("boom")
+        while self.scheduler.waiting and len(self.scheduler.running) < 2:
+            self.scheduler.running.append(self.scheduler.waiting.popleft())
+        outputs = []
+        for rid in list(self.scheduler.running):
+            self.tokens[rid].append(120)
+            done = len(self.tokens[rid]) >= self.params[rid].max_tokens
+            completion = CompletionOutput(
+                0, "x" * len(self.tokens[rid]), list(self.tokens[rid]), "length" if done else None
+            )
+            metrics = RequestMetrics(0.0, 3, first_token_time=1.0)
+            outputs.append(RequestOutput(rid, None, [1, 2, 3], [completion], done, metrics))
+            if done:
+                self._drop(rid)
+        return outputs
+
+    def get_metrics(self):
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+
+async def _collect(stream):
+    texts: dict[int, str] = {}
+    async for item in stream:
+        texts[item.index] = item.output.outputs[0].text
+    return texts
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=10))
+
+
+def test_concurrent_requests_and_n_samples():
+    engine = AsyncEngine(FakeEngine(), max_waiting=16)
+
+    async def main():
+        a = await engine.add_request(SamplingParams(max_tokens=3), prompt="abc")
+        b = await engine.add_request(
+            SamplingParams(max_tokens=2, n=3), messages=[{"role": "user", "content": "hi"}]
+        )
+        return await asyncio.gather(_collect(a), _collect(b))
+
+    try:
+        a, b = _run(main())
+    finally:
+        engine.shutdown()
+    assert a == {0: "xxx"}
+    assert b == {0: "xx", 1: "xx", 2: "xx"}
+
+
+def test_chat_without_max_tokens_fills_the_context():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+
+    async def main():
+        stream = await engine.add_request(
+            SamplingParams(max_tokens=1), prompt="abcd", fill_context=True
+        )
+        seen = fake.added[stream.sequence_ids[0]].max_tokens
+        stream.abort()
+        return seen
+
+    try:
+        assert _run(main()) == 64 - 4
+    finally:
+        engine.shutdown()
+
+
+def test_bad_input_raises_value_error_and_queue_full_raises():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake, max_waiting=2)
+
+    async def main():
+        with pytest.raises(ValueError, match="too long"):
+            await engine.add_request(SamplingParams(), prompt=[1] * 100)
+        with pytest.raises(ValueError, match="non-empty"):
+            await engine.add_request(SamplingParams(), prompt="")
+        with pytest.raises(QueueFullError):
+            await engine.add_request(SamplingParams(n=3), prompt="abc")
+
+    try:
+        _run(main())
+    finally:
+        engine.shutdown()
+    assert fake.params == {}  # nothing half-added
+
+
+def test_abort_removes_every_sequence():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+
+    async def main():
+        stream = await engine.add_request(SamplingParams(max_tokens=10_000, n=2), prompt="abc")
+        async for _ in stream:
+            break  # one token, then the client leaves
+        stream.abort()
+        while fake.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+        return stream.sequence_ids
+
+    try:
+        ids = _run(main())
+    finally:
+        engine.shutdown()
+    assert sorted(fake.aborted) == sorted(ids)
+
+
+def test_failing_step_fails_requests_and_the_engine_keeps_serving():
+    engine = AsyncEngine(FakeEngine(fail_on_step=1))
+
+    async def main():
+        stream = await engine.add_request(SamplingParams(max_tokens=3), prompt="abc")
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _collect(stream)
+        again = await engine.add_request(SamplingParams(max_tokens=2), prompt="abc")
+        return await _collect(again)
+
+    try:
+        assert _run(main()) == {0: "xx"}
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_refuses_new_requests():
+    engine = AsyncEngine(FakeEngine())
+    engine.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError):
+            await engine.add_request(SamplingParams(), prompt="abc")
+
+    _run(main())

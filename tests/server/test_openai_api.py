@@ -1,0 +1,426 @@
+"""The OpenAI-compatible server end to end: a real `kvmemo serve` process, driven by the
+`openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.server.conftest import launch_server
+
+pytestmark = pytest.mark.model
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def server():
+    with launch_server(
+        "--num-blocks",
+        "512",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "32",
+        api_key=API_KEY,
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.model_name()
+
+
+def _long_prompt(words: int = 150) -> str:
+    # A unique head keeps earlier tests' cache entries from matching.
+    return f"[{uuid.uuid4().hex}] " + " ".join(f"item{i} is number {i}." for i in range(words // 4))
+
+
+def _wait_until_idle(server, timeout_s: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m["kvmemo_kv_blocks_in_use"] == 0 and m["kvmemo_num_requests_running"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"blocks still in use: {m['kvmemo_kv_blocks_in_use']}"
+        time.sleep(0.2)
+
+
+# ---- happy paths ----------------------------------------------------------------------------
+
+
+def test_health_and_models(server, client, model):
+    with server.http() as http:
+        assert http.get("/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model]
+
+
+def test_completion_stream_matches_non_stream(client, model):
+    kwargs = {
+        "model": model,
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    full = client.completions.create(**kwargs)
+    choice = full.choices[0]
+    assert choice.text and choice.finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens == 8 or choice.finish_reason == "stop"
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+
+
+def test_completion_accepts_token_ids(client, model):
+    out = client.completions.create(
+        model=model, prompt=[504, 3575, 282], max_tokens=3, temperature=0
+    )
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 3
+
+
+def test_chat_stream_matches_non_stream_and_text_parts(client, model):
+    messages = [{"role": "user", "content": "Say hello."}]
+    full = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0
+    )
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant" and text
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_completion_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}]
+    as_parts = client.chat.completions.create(
+        model=model, messages=parts, max_tokens=8, temperature=0
+    )
+    assert as_parts.choices[0].message.content == text
+
+
+def test_n_seed_and_logprobs(client, model):
+    out = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=4,
+        n=2,
+        seed=7,
+        temperature=1.0,
+        logprobs=2,
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
+    for c in out.choices:
+        assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens)
+        assert all(len(top) <= 2 for top in c.logprobs.top_logprobs)
+    again = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=4, n=2, seed=7, temperature=1.0
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    streamed = ["", ""]
+    for chunk in client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=4,
+        n=2,
+        seed=7,
+        temperature=1.0,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in out.choices]
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert content[0].top_logprobs[0].logprob == content[0].logprob  # greedy picks the top token
+
+
+def test_repeated_long_prompt_is_cached_and_salt_isolates(client, model):
+    prompt = _long_prompt()
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 64
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].text == first.choices[0].text
+    salted = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": "tenant-a"},
+    )
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    salted_again = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": "tenant-a"},
+    )
+    assert salted_again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_concurrent_streams_match_sequential(client, model):
+    prompts = [f"Write a short fact about the number {i}." for i in range(16)]
+
+    def ask(i: int, stream: bool) -> str:
+        messages = [{"role": "user", "content": prompts[i]}]
+        if not stream:
+            out = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=6, temperature=0
+            )
+            return out.choices[0].message.content
+        chunks = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    sequential = [ask(i, stream=False) for i in range(16)]
+    concurrent: list[str | BaseException | None] = [None] * 16
+    start = threading.Barrier(16)
+
+    def worker(i: int) -> None:
+        try:
+            start.wait()
+            concurrent[i] = ask(i, stream=True)
+        except BaseException as e:  # surfaced by the assert below
+            concurrent[i] = e
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert concurrent == sequential
+
+
+def test_aborted_stream_frees_blocks(server, model):
+    _wait_until_idle(server)
+    before = server.metrics()["kvmemo_generation_tokens_total"]
+    body = {
+        "model": model,
+        "prompt": "Count forever: 1, 2, 3,",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    after = _wait_until_idle(server)
+    # The request was cut short: far fewer than 900 tokens were generated before the abort.
+    assert after["kvmemo_generation_tokens_total"] - before < 900
+
+
+def test_disconnected_non_stream_request_is_aborted(server, model):
+    import httpx
+
+    _wait_until_idle(server)
+    before = server.metrics()["kvmemo_generation_tokens_total"]
+    body = {
+        "model": model,
+        "prompt": "Count forever: 1, 2, 3,",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with (
+        pytest.raises(httpx.ReadTimeout),
+        server.http(timeout=httpx.Timeout(120, read=1.0)) as http,
+    ):
+        http.post("/v1/completions", json=body)
+    after = _wait_until_idle(server)
+    assert after["kvmemo_generation_tokens_total"] - before < 900
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def _error(
+    server, path: str, body, *, headers: dict[str, str] | None = None, status: int = 400
+) -> dict:
+    with server.http() as http:
+        if headers is not None:
+            http.headers.clear()
+            http.headers.update(headers)
+        if isinstance(body, str):
+            response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_bad_temperature_is_400(server, client, model):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=-1)
+    assert info.value.status_code == 400
+    assert "temperature" in info.value.body["message"] and info.value.body["param"] == "temperature"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    [
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model", "unknown model"),
+        ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN + 10))}, "prompt", "context"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "presence_penalty": 0.5},
+            "presence_penalty",
+            "not supported",
+        ),
+        ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate", "unknown field"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "batches"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            None,
+            "stream",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages", "content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages",
+            "role",
+        ),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages", "messages"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            },
+                        ],
+                    }
+                ]
+            },
+            "messages",
+            "does not accept images",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            "logprobs",
+        ),
+    ],
+)
+def test_invalid_requests_are_400(server, path, body, param, words):
+    error = _error(server, path, body)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize("body", ["{not json", "[1, 2]", "42"])
+def test_malformed_json_is_400(server, body):
+    error = _error(server, "/v1/completions", body)
+    assert "JSON" in error["message"]
+
+
+def test_missing_or_wrong_key_is_401(server, model):
+    import openai
+
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        error = _error(server, "/v1/completions", {"prompt": "hi"}, headers=headers, status=401)
+        assert error["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        server.openai().with_options(api_key="wrong").models.list()
+    with server.http() as http:
+        http.headers.clear()
+        assert http.get("/health").status_code == 200  # health and metrics stay open
+        assert http.get("/metrics").status_code == 200
+
+
+def test_reset_prefix_cache_needs_key(server):
+    _error(server, "/reset_prefix_cache", {}, headers={}, status=401)
+    _wait_until_idle(server)
+    with server.http() as http:
+        response = http.post("/reset_prefix_cache")
+    assert response.status_code == 200 and response.json() == {"success": True}
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def test_metrics_parse_and_move(server, client, model):
+    before = server.metrics()
+    for name in (
+        "kvmemo_kv_blocks_in_use",
+        "kvmemo_num_requests_running",
+        "kvmemo_num_requests_waiting",
+        "kvmemo_prefix_cache_hit_rate",
+        "kvmemo_store_hit_tokens",
+        "kvmemo_kv_blocks_total",
+    ):
+        assert name in before
+    route = "kvmemo_requests_total{route=/v1/completions,status=200}"
+    out = client.completions.create(
+        model=model, prompt="Metrics move when", max_tokens=3, temperature=0
+    )
+    after = server.metrics()
+    assert after[route] == before.get(route, 0) + 1
+    assert (
+        after["kvmemo_prompt_tokens_total"] - before["kvmemo_prompt_tokens_total"]
+        == out.usage.prompt_tokens
+    )
+    assert after["kvmemo_generation_tokens_total"] - before["kvmemo_generation_tokens_total"] == 3
+    assert (
+        after["kvmemo_e2e_request_latency_seconds_count"]
+        == before["kvmemo_e2e_request_latency_seconds_count"] + 1
+    )
+    assert (
+        after["kvmemo_time_to_first_token_seconds_count"]
+        > before["kvmemo_time_to_first_token_seconds_count"]
+    )
+    bad = "kvmemo_requests_total{route=/v1/completions,status=400}"
+    _error(server, "/v1/completions", {"prompt": "hi", "temperature": -1})
+    assert server.metrics()[bad] == after.get(bad, 0) + 1
+
+
+def test_server_logs_one_line_per_request(server):
+    assert "prompt" in server.log() and "cached" in server.log() and "latency" in server.log()

@@ -64,7 +64,11 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Temperatures this small overflow logits / temperature; they mean greedy anyway.
+        return self.temperature < _MIN_TEMPERATURE
+
+
+_MIN_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, message: str) -> None:

@@ -57,7 +57,8 @@ class Sampler:
         logits = logits / temperature[:, None]
         if any(p.top_k > 0 for p in params):
             vocab = logits.shape[-1]
-            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+            # top_k beyond the vocabulary means no cut (and would overflow an int64 tensor).
+            k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
             kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=vocab - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)

@@ -71,3 +71,14 @@ def test_outputs_carry_metrics(llm):
     assert out.finished and out.metrics.ttft_s is not None and out.metrics.ttft_s > 0
     assert out.metrics.num_prompt_tokens == len(out.prompt_token_ids)
     assert 0 <= out.metrics.num_cached_tokens < out.metrics.num_prompt_tokens
+
+
+def test_extreme_temperature_and_top_k_do_not_break_a_batch(llm):
+    params = [
+        SamplingParams(temperature=1e-40, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=2**70, seed=3, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    ]
+    outs = llm.generate([PROMPT, PROMPT, PROMPT], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids  # tiny temperature = greedy
+    assert len(outs[1].outputs[0].token_ids) == 4

@@ -1,7 +1,9 @@
-"""The paged KV cache: one tensor per layer for K and for V, addressed by slot.
+"""The paged KV cache: per layer, K and V pages addressed by slot, plus fp8 scales.
 
-Invariant: layer l's keys live in k_caches[l] with shape [num_blocks, block_size, num_kv_heads,
-head_dim]; slot = block_id * block_size + offset; K is stored already rotated (RoPE applied).
+Invariant: k_caches[l] is the logical view [num_blocks, block_size, num_kv_heads, head_dim] of
+layer l's physical pages k_pages[l] [num_kv_heads, num_blocks, block_size, head_dim];
+slot = block_id * block_size + offset; K is stored already rotated (RoPE applied). An fp8 cache
+stores round(x / scale) per (layer, kv head), so x ~= stored * scale; other dtypes store x.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemo.attention.workspace import Workspace
+
 logger = logging.getLogger(__name__)
 
 _TORCH_KV_DTYPES = {
@@ -19,26 +23,48 @@ _TORCH_KV_DTYPES = {
     "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: writes are clamped to +-FP8_MAX * scale
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """'auto' follows the model dtype; other names map to their torch dtype."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype not in _TORCH_KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {['auto', *_TORCH_KV_DTYPES]}, got {kv_cache_dtype!r}"
+        )
     return _TORCH_KV_DTYPES[kv_cache_dtype]
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V bytes one token occupies across all layers (fp8 scales are per head, not per token)."""
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def describe_kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
+    """'4608 bytes/token (float8_e4m3fn): 0.25x float32, 0.50x bfloat16' for the startup log."""
+    size = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    fp32 = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, torch.float32)
+    bf16 = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, torch.bfloat16)
+    name = str(dtype).removeprefix("torch.")
+    return f"{size} bytes/token ({name}): {size / fp32:.2f}x float32, {size / bf16:.2f}x bfloat16"
 
 
 @dataclass
 class PagedKVCache:
-    """Owns the K and V page tensors of every layer."""
+    """Owns the K and V pages of every layer and, for fp8, the per-(layer, kv head) scales.
 
-    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    v_caches: list[torch.Tensor]
+    Pages are head-major so one sequence's keys of one head are [num_blocks, block_size, D]
+    rows that gather into a [L, D] matrix with unit row stride, which SDPA reads fastest.
+    """
+
+    k_pages: list[torch.Tensor]  # per layer [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: list[torch.Tensor]
     block_size: int
+    k_scales: torch.Tensor | None = None  # fp8 only: [num_layers, num_kv_heads] fp32
+    v_scales: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -52,29 +78,128 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> PagedKVCache:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(k_caches=k, v_caches=v, block_size=block_size)
+        scales = None
+        if dtype == FP8_DTYPE:  # identity scales until calibrated (see fp8.py)
+            scales = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
+        return cls(
+            k_pages=k,
+            v_pages=v,
+            block_size=block_size,
+            k_scales=scales,
+            v_scales=None if scales is None else scales.clone(),
+        )
+
+    @property
+    def k_caches(self) -> list[torch.Tensor]:
+        """Logical per-layer views [num_blocks, block_size, num_kv_heads, head_dim] (no copy)."""
+        return [p.permute(1, 2, 0, 3) for p in self.k_pages]
+
+    @property
+    def v_caches(self) -> list[torch.Tensor]:
+        return [p.permute(1, 2, 0, 3) for p in self.v_pages]
 
     @property
     def num_blocks(self) -> int:
-        return self.k_caches[0].shape[0]
+        return self.k_pages[0].shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pages[0].shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_pages[0].dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Measured on the allocated pages: bytes of all layers' K and V per cached token."""
+        total = sum(p.numel() * p.element_size() for p in (*self.k_pages, *self.v_pages))
+        return total // (self.num_blocks * self.block_size)
+
+    def set_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+        """Install fp8 scales [num_layers, num_kv_heads]; only before any KV is written."""
+        if not self.is_fp8 or self.k_scales is None or self.v_scales is None:
+            raise ValueError(f"scales apply to an fp8 KV cache only, this one is {self.dtype}")
+        for name, new in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if new.shape != self.k_scales.shape or not bool((new > 0).all()):
+                raise ValueError(
+                    f"{name} must be positive with shape {tuple(self.k_scales.shape)}, "
+                    f"got {tuple(new.shape)}"
+                )
+        self.k_scales.copy_(k_scales)
+        self.v_scales.copy_(v_scales)
 
     def copy_block_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
         """Partial reuse: copy the first num_tokens slots of src into dst, in the given order.
 
-        Order matters: a later copy may overwrite a block an earlier one read from.
+        Order matters: a later copy may overwrite a block an earlier one read from. Bytes are
+        copied as stored, so fp8 pages keep their (per-head, not per-block) scales valid.
         """
         for src, dst, num_tokens in copies:
-            for cache in (*self.k_caches, *self.v_caches):
-                cache[dst, :num_tokens].copy_(cache[src, :num_tokens])
+            for pages in (*self.k_pages, *self.v_pages):
+                pages[:, dst, :num_tokens].copy_(pages[:, src, :num_tokens])
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter this step's K and V ([T, Hkv, D]) of one layer into their slots (fp8: quantise)."""
+        k_scale = v_scale = None
+        if self.k_scales is not None and self.v_scales is not None:
+            k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
+        _write_pages(self.k_pages[layer], k, slot_mapping, k_scale)
+        _write_pages(self.v_pages[layer], v, slot_mapping, v_scale)
+
+
+def gather_pages(
+    pages: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, name: str, workspace: Workspace
+) -> torch.Tensor:
+    """pages [Hkv, num_blocks, bs, D] -> [Hkv, n * bs, D] of the given blocks, in `dtype`.
+
+    Gathers into a reused buffer; a cache stored in another dtype (bf16, fp8) is converted into a
+    second reused buffer, the raw fp8 values unscaled (scales are folded into q and the output).
+    """
+    num_kv_heads, _, block_size, head_dim = pages.shape
+    shape = (num_kv_heads, block_ids.numel(), block_size, head_dim)
+    raw = workspace.get(name, shape, pages.dtype, pages.device)
+    torch.index_select(pages, 1, block_ids, out=raw)
+    if pages.dtype != dtype:
+        converted = workspace.get(name + "_converted", shape, dtype, pages.device)
+        raw = converted.copy_(raw)
+    return raw.view(num_kv_heads, -1, head_dim)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D], scale [Hkv] -> fp8 values of x / scale, clamped to the fp8 range."""
+    scaled = x.float() / scale[None, :, None]
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _write_pages(
+    pages: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    num_kv_heads, num_blocks, block_size, head_dim = pages.shape
+    values = quantize_fp8(x, scale) if scale is not None else x.to(pages.dtype)
+    flat = pages.view(num_kv_heads, num_blocks * block_size, head_dim)  # [Hkv, slots, D]
+    if pages.dtype == FP8_DTYPE:  # index_copy_ has no fp8 CPU kernel; the bytes are the same
+        flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+    flat.index_copy_(1, slot_mapping, values.transpose(0, 1))  # source [Hkv, T, D]
 
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter this step's K and V ([T, Hkv, D]) into their slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter unscaled K and V ([T, Hkv, D]) into logical caches [num_blocks, bs, Hkv, D].
+
+    For tests and tools that fill pages directly; the engine writes through PagedKVCache.write.
+    """
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, *cache.shape[2:])  # [slots, Hkv, D]; a view (raises, never copies)
+        values = x.to(cache.dtype)
+        if cache.dtype == FP8_DTYPE:
+            flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, values)

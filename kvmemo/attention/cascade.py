@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.attention.torch_ref import gather_sequence_kv
+from kvmemo.attention.workspace import Workspace
 
 # When cascade pays (CPU, Hq=9, Hkv=3, D=64, fp32, min-of-25 A/B against the per-sequence
 # gather): it adds ~100-150 us of fixed work (a second attention call, masks, merge) and saves
@@ -70,13 +71,19 @@ def cascade_attention(
     metadata: AttentionMetadata,
     prefix_blocks: int,
     scale: float,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """Attention of the whole batch with the first prefix_blocks blocks shared. Returns [T, Hq, D]."""
+    """Attention of the whole batch with the first prefix_blocks blocks shared. Returns [T, Hq, D].
+
+    k_cache/v_cache are logical [num_blocks, bs, Hkv, D] views; pages are read head-major.
+    """
+    workspace = workspace or Workspace()
+    k_pages, v_pages = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)  # [Hkv, nb, bs, D]
     prefix_ids = metadata.block_tables[0, :prefix_blocks]
-    k_prefix = k_cache.index_select(0, prefix_ids).flatten(0, 1).to(q.dtype)  # [Lp, Hkv, D]
-    v_prefix = v_cache.index_select(0, prefix_ids).flatten(0, 1).to(q.dtype)
+    k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)  # [Hkv, Lp, D]
+    v_prefix = gather_pages(v_pages, prefix_ids, q.dtype, "cascade_v", workspace)
     o_prefix, lse_prefix = _prefix_attention(q, k_prefix, v_prefix, scale)
-    o_suffix, lse_suffix = _suffix_attention(q, k_cache, v_cache, metadata, prefix_blocks, scale)
+    o_suffix, lse_suffix = _suffix_attention(q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace)
     return merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix).to(q.dtype)
 
 
@@ -95,17 +102,17 @@ def merge_attention_states(
 def _prefix_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All T queries against the shared keys, no mask. q: [T, Hq, D]; k, v: [Lp, Hkv, D].
+    """All T queries against the shared keys, no mask. q: [T, Hq, D]; k, v: [Hkv, Lp, D].
 
     Returns o [T, Hq, D] and lse [T, Hq] (fp32).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
     # [T, Hkv, G, D] -> [1, Hkv, T * G, D]: row t * G + g is token t of head h * G + g.
     qg = q.view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qg = qg.reshape(1, num_kv_heads, num_tokens * group, head_dim)
-    o, lse = attention_with_lse(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, scale)
+    o, lse = attention_with_lse(qg, k[None], v[None], None, scale)
     o = o.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
     return o.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
@@ -113,24 +120,27 @@ def _prefix_attention(
 
 def _suffix_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D]
+    v_pages: torch.Tensor,
     metadata: AttentionMetadata,
     prefix_blocks: int,
     scale: float,
+    workspace: Workspace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence against its own keys [prefix_len, seq_len). Returns o [T, Hq, D], lse [T, Hq]."""
     num_tokens, num_heads, _ = q.shape
     decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
     if len(decode) == metadata.num_seqs:
-        return _batched_decode_suffix(q, k_cache, v_cache, metadata, decode, prefix_blocks, scale)
+        return _batched_decode_suffix(
+            q, k_pages, v_pages, metadata, decode, prefix_blocks, scale, workspace
+        )
     out = torch.empty_like(q)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     prefix_len = prefix_blocks * metadata.block_size
     if decode:
         rows = torch.tensor([metadata.query_start_loc[s] for s in decode], device=q.device)
         o_d, lse_d = _batched_decode_suffix(
-            q.index_select(0, rows), k_cache, v_cache, metadata, decode, prefix_blocks, scale
+            q.index_select(0, rows), k_pages, v_pages, metadata, decode, prefix_blocks, scale, workspace
         )
         out[rows], lse[rows] = o_d, lse_d
     for s, query_len in enumerate(metadata.query_lens):
@@ -138,24 +148,25 @@ def _suffix_attention(
             continue
         start, end = metadata.query_start_loc[s], metadata.query_start_loc[s + 1]
         suffix_len = metadata.seq_lens[s] - prefix_len
-        table = metadata.block_tables[s, prefix_blocks:]
-        k = gather_sequence_kv(k_cache, table, suffix_len).to(q.dtype)  # [Ls, Hkv, D]
-        v = gather_sequence_kv(v_cache, table, suffix_len).to(q.dtype)
+        table = metadata.block_tables[s, prefix_blocks : prefix_blocks + -(-suffix_len // metadata.block_size)]
+        k = gather_pages(k_pages, table, q.dtype, "cascade_sk", workspace)[:, :suffix_len]  # [Hkv, Ls, D]
+        v = gather_pages(v_pages, table, q.dtype, "cascade_sv", workspace)[:, :suffix_len]
         out[start:end], lse[start:end] = _prefill_suffix(q[start:end], k, v, scale)
     return out, lse
 
 
 def _batched_decode_suffix(
     q: torch.Tensor,  # [B, Hq, D], one query per decode sequence
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D]
+    v_pages: torch.Tensor,
     metadata: AttentionMetadata,
     decode: list[int],
     prefix_blocks: int,
     scale: float,
+    workspace: Workspace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded gather of only the suffix blocks, masked per sequence. Returns [B, Hq, D], [B, Hq]."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, _, block_size, head_dim = k_pages.shape
     batch, num_heads = q.shape[0], q.shape[1]
     group = num_heads // num_kv_heads
     prefix_len = prefix_blocks * block_size
@@ -164,9 +175,12 @@ def _batched_decode_suffix(
     rows = metadata.block_tables if batch == metadata.num_seqs else metadata.block_tables[decode]
     tables = rows[:, prefix_blocks : prefix_blocks + num_blocks]  # [B, nb]
     length = num_blocks * block_size
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, Ls, D]
-    k = k_cache[tables].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-    v = v_cache[tables].view(batch, length, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    ids = tables.reshape(-1)  # [B * nb]
+    # [Hkv, B * Ls, D] -> [B, Hkv, Ls, D]
+    k = gather_pages(k_pages, ids, q.dtype, "cascade_dk", workspace)
+    v = gather_pages(v_pages, ids, q.dtype, "cascade_dv", workspace)
+    k = k.view(num_kv_heads, batch, length, head_dim).transpose(0, 1)
+    v = v.view(num_kv_heads, batch, length, head_dim).transpose(0, 1)
     lens = torch.tensor(suffix_lens, device=q.device)
     valid = torch.arange(length, device=q.device)[None, :] < lens[:, None]  # [B, Ls]
     qg = q.view(batch, num_kv_heads, group, head_dim)  # heads h*G..h*G+G-1 share kv head h
@@ -179,9 +193,9 @@ def _batched_decode_suffix(
 def _prefill_suffix(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [Lq, Hq, D]; k, v: [Ls, Hkv, D], the last Lq keys being the queries' own. Causal."""
+    """q: [Lq, Hq, D]; k, v: [Hkv, Ls, D], the last Lq keys being the queries' own. Causal."""
     query_len, num_heads, head_dim = q.shape
-    suffix_len, num_kv_heads = k.shape[0], k.shape[1]
+    num_kv_heads, suffix_len = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
     # [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
     qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -189,7 +203,7 @@ def _prefill_suffix(
     q_pos = torch.arange(suffix_len - query_len, suffix_len, device=q.device)
     valid = torch.arange(suffix_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Ls]
     o, lse = attention_with_lse(
-        qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], valid.repeat(group, 1), scale
+        qg, k[None], v[None], valid.repeat(group, 1), scale
     )  # [1, Hkv, G * Lq, D], [1, Hkv, G * Lq]
     o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
     lse = lse.view(num_kv_heads, group, query_len).permute(2, 0, 1)

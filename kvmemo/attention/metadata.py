@@ -1,7 +1,8 @@
 """AttentionMetadata: where each token of one flattened step batch lives in the paged cache.
 
-Invariant: built once per step; sequence s owns query rows
-query_start_loc[s]:query_start_loc[s+1] and attends to its first seq_lens[s] cached tokens.
+Invariant: built once per step and validated at the boundary; sequence s owns query rows
+query_start_loc[s]:query_start_loc[s+1], sits at beam beam_indices[s] of request request_ids[s],
+and attends to its first seq_lens[s] cached tokens through block_tables[s].
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, right-padded with 0
     query_start_loc: list[int]  # [num_seqs + 1] prefix sums of query_lens
-    query_lens: list[int]  # new tokens per sequence this step
+    query_lens: list[int]  # new tokens per sequence this step (>= 1)
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
     block_size: int
-    request_ids: list[str]  # one per sequence, carried for logging / beam addressing
+    request_ids: list[str]  # one per sequence, for errors, logging and beam addressing
     query_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of query_lens)
     seq_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of seq_lens)
+    num_cache_blocks: int = 0  # size of the pool the block ids were checked against
+    beam_indices: list[int] | None = None  # beam of each sequence within its request (0 if none)
 
     @property
     def num_seqs(self) -> int:
@@ -47,41 +50,56 @@ class AttentionMetadata:
         block_size: int,
         num_cache_blocks: int,
         request_ids: list[str],
+        beam_indices: list[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Validate the per-sequence lists and derive slot mapping and padded tensors.
 
+        Args:
+            beam_indices: the beam of each sequence within its request; None means all 0.
+
         Raises:
-            ValueError: lists of different lengths, a block table too short for its context,
-                or a block id outside the cache.
+            ValueError: lists of different lengths (fewer request ids or beam indices than
+                sequences), a query_len < 1, a negative computed count, a block table too
+                short for its context, or a block id outside [0, num_cache_blocks).
         """
         num_seqs = len(query_lens)
-        if not (len(block_tables) == len(num_computed_tokens) == len(request_ids) == num_seqs):
+        if beam_indices is None:
+            beam_indices = [0] * num_seqs
+        lengths = {
+            "block_tables": len(block_tables),
+            "num_computed_tokens": len(num_computed_tokens),
+            "request_ids": len(request_ids),
+            "beam_indices": len(beam_indices),
+        }
+        if any(n != num_seqs for n in lengths.values()):
             raise ValueError(
-                "attention metadata needs one block table, computed count and request id per "
-                f"sequence: got {len(block_tables)} block tables, {len(num_computed_tokens)} "
-                f"counts and {len(request_ids)} request ids for {num_seqs} sequences"
+                "attention metadata needs one block table, computed count, request id and beam "
+                f"index per sequence: got {lengths} for {num_seqs} sequences (query_lens)"
             )
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        for s in range(num_seqs):
+            _check_sequence(s, request_ids[s], block_tables[s], num_computed_tokens[s],
+                            query_lens[s], beam_indices[s], block_size)
         seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
-        slots: list[int] = []
-        for s, (table, start, seq_len) in enumerate(zip(block_tables, num_computed_tokens, seq_lens)):
-            if len(table) * block_size < seq_len:
-                raise ValueError(
-                    f"block table of sequence {s} ({request_ids[s]}) has {len(table)} blocks, "
-                    f"too short for a context of {seq_len} tokens with block_size {block_size}"
-                )
-            for pos in range(start, seq_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        if any(b < 0 or b >= num_cache_blocks for table in block_tables for b in table):
-            raise ValueError(f"a block table holds a block id outside [0, {num_cache_blocks})")
         max_blocks = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)
+        tables = torch.tensor(padded, dtype=torch.int64).view(num_seqs, max_blocks)  # [S, maxb]
+        outside = (tables < 0) | (tables >= num_cache_blocks)  # padding 0 is checked too: harmless
+        if bool(outside.any()):
+            s = int(outside.any(dim=1).nonzero()[0])
+            raise ValueError(
+                f"block table of sequence {s} ({request_ids[s]!r}, beam {beam_indices[s]}) holds a "
+                f"block id outside [0, {num_cache_blocks}): {block_tables[s]}"
+            )
+        slot_mapping = _slot_mapping(tables, num_computed_tokens, query_lens, block_size)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).view(num_seqs, max_blocks),
+            slot_mapping=slot_mapping.to(device),
+            block_tables=tables.to(device),
             query_start_loc=query_start_loc,
             query_lens=list(query_lens),
             seq_lens=seq_lens,
@@ -89,4 +107,45 @@ class AttentionMetadata:
             request_ids=list(request_ids),
             query_lens_t=torch.tensor(query_lens, dtype=torch.int64, device=device),
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            num_cache_blocks=num_cache_blocks,
+            beam_indices=list(beam_indices),
         )
+
+
+def _check_sequence(
+    s: int,
+    request_id: str,
+    table: list[int],
+    num_computed: int,
+    query_len: int,
+    beam_index: int,
+    block_size: int,
+) -> None:
+    who = f"sequence {s} ({request_id!r}, beam {beam_index})"
+    if not isinstance(query_len, int) or query_len < 1:
+        raise ValueError(f"query_lens of {who} must be an integer >= 1, got {query_len!r}")
+    if not isinstance(num_computed, int) or num_computed < 0:
+        raise ValueError(f"num_computed_tokens of {who} must be an integer >= 0, got {num_computed!r}")
+    if not isinstance(beam_index, int) or beam_index < 0:
+        raise ValueError(f"beam_indices of {who} must be an integer >= 0, got {beam_index!r}")
+    seq_len = num_computed + query_len
+    if len(table) * block_size < seq_len:
+        raise ValueError(
+            f"block table of {who} has {len(table)} blocks, too short for a context of "
+            f"{seq_len} tokens with block_size {block_size}"
+        )
+
+
+def _slot_mapping(
+    tables: torch.Tensor, num_computed_tokens: list[int], query_lens: list[int], block_size: int
+) -> torch.Tensor:
+    """[num_tokens] slots of the new tokens: table[pos // block_size] * block_size + pos % bs."""
+    if not query_lens:
+        return torch.zeros(0, dtype=torch.int64)
+    counts = torch.tensor(query_lens, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), counts)  # [T]
+    starts = torch.tensor(num_computed_tokens, dtype=torch.int64)
+    first_row = torch.cumsum(counts, 0) - counts  # [S] row of each sequence's first token
+    positions = starts[seq_of_token] + torch.arange(int(counts.sum())) - first_row[seq_of_token]
+    blocks = tables[seq_of_token, positions // block_size]  # [T]
+    return blocks * block_size + positions % block_size

@@ -1,91 +1,183 @@
-"""Fast paged attention for a mixed batch: all decodes in one batched SDPA, prefills per sequence.
+"""Fast paged attention over head-major pages: all decodes in one batched SDPA, prefills per sequence.
 
 Invariant: equal (to float tolerance) to torch_ref.paged_attention_ref for every batch.
-Grouped-query heads are folded into query rows ([Hkv, G * Lq, D]) so K/V are never repeated.
-When every sequence starts with the same cached blocks (a shared system prompt), the batch goes
-to cascade.py instead, which reads those blocks once rather than once per sequence.
+Pages are gathered into reused workspace buffers (never a fresh allocation per layer), laid out
+[Hkv, L, D] per sequence so SDPA reads unit-stride rows; grouped-query heads are folded into
+query rows ([Hkv, G * Lq, D]) so K/V are never repeated. Everything that depends only on the
+step (which sequences decode, the flattened block ids, masks) lives in a StepPlan built once per
+step and shared by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kvmemo.attention.cascade import cascade_attention, cascade_prefix_blocks
+from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.attention.torch_ref import gather_sequence_kv
+from kvmemo.attention.workspace import Workspace
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence with more than one new token (a prompt chunk)."""
+
+    start: int  # first query row
+    end: int
+    seq_len: int  # keys it attends to (cached + new)
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] its pages, in order
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every layer of one step needs to know about the batch, derived once from metadata."""
+
+    cascade_blocks: int  # > 0: the batch shares this many cached leading blocks (cascade.py)
+    decode_seqs: list[int]  # sequences with exactly one new token
+    decode_rows: torch.Tensor | None  # [B] their query rows; None when the whole batch decodes
+    decode_block_ids: torch.Tensor | None  # [B * nb] pages of every decode sequence, padded
+    decode_num_blocks: int  # nb: pages per decode sequence after padding
+    decode_valid: torch.Tensor | None  # [B, 1, 1, nb * bs] bool; None when nothing is padding
+    prefills: list[PrefillSeq]
+    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, metadata: AttentionMetadata) -> StepPlan:
+        block_size = metadata.block_size
+        cascade_blocks = cascade_prefix_blocks(metadata)
+        decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
+        rows = block_ids = valid = None
+        num_blocks = 0
+        if decode and not cascade_blocks:
+            all_decode = len(decode) == metadata.num_seqs
+            seq_lens = [metadata.seq_lens[s] for s in decode]
+            num_blocks = -(-max(seq_lens) // block_size)
+            tables = metadata.block_tables if all_decode else metadata.block_tables[decode]
+            block_ids = tables[:, :num_blocks].reshape(-1)  # [B * nb]; padding reads block 0
+            if any(n != num_blocks * block_size for n in seq_lens):
+                lens = metadata.seq_lens_t if all_decode else metadata.seq_lens_t[decode]
+                positions = torch.arange(num_blocks * block_size, device=lens.device)
+                valid = (positions[None, :] < lens[:, None])[:, None, None, :]
+            if not all_decode:
+                rows = torch.tensor(
+                    [metadata.query_start_loc[s] for s in decode], device=metadata.seq_lens_t.device
+                )
+        prefills = []
+        if not cascade_blocks:
+            for s, query_len in enumerate(metadata.query_lens):
+                if query_len == 1:
+                    continue
+                seq_len = metadata.seq_lens[s]
+                prefills.append(
+                    PrefillSeq(
+                        start=metadata.query_start_loc[s],
+                        end=metadata.query_start_loc[s + 1],
+                        seq_len=seq_len,
+                        block_ids=metadata.block_tables[s, : -(-seq_len // block_size)],
+                    )
+                )
+        return cls(cascade_blocks, decode, rows, block_ids, num_blocks, valid, prefills)
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask [B, 1, 1, L] of the decode batch (0 keep, -inf padding), made once per dtype."""
+        if self.decode_valid is None:
+            return None
+        mask = self._masks.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.decode_valid.shape, dtype=dtype, device=self.decode_valid.device)
+            mask.masked_fill_(~self.decode_valid, float("-inf"))
+            self._masks[dtype] = mask
+        return mask
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # logical [num_blocks, block_size, Hkv, D], unscaled values
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] rotated queries; K/V of this step already written. Returns [T, Hq, D]."""
-    prefix_blocks = cascade_prefix_blocks(metadata)
-    if prefix_blocks:
-        return cascade_attention(q, k_cache, v_cache, metadata, prefix_blocks, scale)
+    """Function form over logical caches (any memory layout): cascade or the paged kernels.
+
+    The engine goes through backend.PagedAttentionBackend, which also writes K/V, applies fp8
+    scales and builds the StepPlan once per step rather than once per call.
+    """
+    plan = StepPlan.build(metadata)
+    if plan.cascade_blocks:
+        return cascade_attention(q, k_cache, v_cache, metadata, plan.cascade_blocks, scale, workspace)
+    k_pages, v_pages = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)  # head-major views
+    return paged_attention_pages(q, k_pages, v_pages, plan, scale, workspace or Workspace())
+
+
+def paged_attention_pages(
+    q: torch.Tensor,  # [T, Hq, D] rotated (and, for fp8, pre-multiplied by the K scales)
+    k_pages: torch.Tensor,  # [Hkv, num_blocks, block_size, D], this step's K already written
+    v_pages: torch.Tensor,
+    plan: StepPlan,
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    """Attention of a mixed batch with no shared-prefix cascade. Returns [T, Hq, D] in q's dtype."""
+    if plan.decode_seqs and plan.decode_rows is None:  # the whole batch decodes
+        return decode_attention(q, k_pages, v_pages, plan, scale, workspace)
     out = torch.empty_like(q)
-    decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
-    if len(decode) == metadata.num_seqs:
-        out[:] = _batched_decode(q, k_cache, v_cache, metadata, decode, scale)
-        return out
-    if decode:
-        rows = torch.tensor([metadata.query_start_loc[s] for s in decode], device=q.device)
-        out[rows] = _batched_decode(q.index_select(0, rows), k_cache, v_cache, metadata, decode, scale)
-    for s, query_len in enumerate(metadata.query_lens):
-        if query_len == 1:
-            continue
-        start, end = metadata.query_start_loc[s], metadata.query_start_loc[s + 1]
-        seq_len = metadata.seq_lens[s]
-        k = gather_sequence_kv(k_cache, metadata.block_tables[s], seq_len).to(q.dtype)
-        v = gather_sequence_kv(v_cache, metadata.block_tables[s], seq_len).to(q.dtype)
-        out[start:end] = _prefill_one(q[start:end], k, v, scale)
+    if plan.decode_seqs:
+        rows = plan.decode_rows
+        out[rows] = decode_attention(q.index_select(0, rows), k_pages, v_pages, plan, scale, workspace)
+    for seq in plan.prefills:
+        out[seq.start : seq.end] = prefill_attention(
+            q[seq.start : seq.end], k_pages, v_pages, seq.block_ids, seq.seq_len, scale, workspace
+        )
     return out
 
 
-def _batched_decode(
-    q: torch.Tensor,  # [B, Hq, D], one query per decode sequence
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    decode: list[int],
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D], one query per decode sequence of the plan
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    plan: StepPlan,
     scale: float,
+    workspace: Workspace,
 ) -> torch.Tensor:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    batch, num_heads = q.shape[0], q.shape[1]
+    """One SDPA over all decode sequences, padded to the longest and masked. Returns [B, Hq, D]."""
+    assert plan.decode_block_ids is not None
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
-    seq_lens = [metadata.seq_lens[s] for s in decode]
-    num_blocks = -(-max(seq_lens) // block_size)
-    tables = metadata.block_tables if len(decode) == metadata.num_seqs else metadata.block_tables[decode]
-    tables = tables[:, :num_blocks]  # [B, nb]
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    k = k_cache[tables].view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[tables].view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    lens = metadata.seq_lens_t if len(decode) == metadata.num_seqs else metadata.seq_lens_t[decode]
-    mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < lens[:, None]  # [B, L]
+    # [Hkv, B * L, D] -> [B, Hkv, L, D]: each (sequence, head) is an [L, D] unit-stride matrix.
+    k = gather_pages(k_pages, plan.decode_block_ids, q.dtype, "decode_k", workspace)
+    v = gather_pages(v_pages, plan.decode_block_ids, q.dtype, "decode_v", workspace)
+    k = k.view(num_kv_heads, batch, -1, head_dim).transpose(0, 1)
+    v = v.view(num_kv_heads, batch, -1, head_dim).transpose(0, 1)
     qg = q.view(batch, num_kv_heads, group, head_dim)  # heads h*G..h*G+G-1 share kv head h
-    o = F.scaled_dot_product_attention(
-        qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
-    )  # [B, Hkv, G, D]
-    return o.reshape(batch, num_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.decode_mask(q.dtype), scale=scale)
+    return o.reshape(batch, num_heads, head_dim)  # [B, Hkv, G, D] -> [B, Hq, D]
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] with the last Lq keys belonging to the queries."""
+def prefill_attention(
+    q: torch.Tensor,  # [Lq, Hq, D], the last Lq of seq_len positions
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_ids: torch.Tensor,  # [nb]
+    seq_len: int,
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    """Causal among the new tokens, full over the cached ones. Returns [Lq, Hq, D]."""
     query_len, num_heads, head_dim = q.shape
-    seq_len, num_kv_heads = k.shape[0], k.shape[1]
+    num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads
-    # [Lq, Hkv, G, D] -> [Hkv, G * Lq, D]: row r = g * Lq + i is query i of head h*G+g.
-    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_dim)
-    if query_len == seq_len:
-        q_pos = torch.arange(query_len, device=q.device)
-    else:
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
-    o = F.scaled_dot_product_attention(
-        qg, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask.repeat(group, 1), scale=scale
-    )  # [Hkv, G * Lq, D]
-    return o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+    k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[:, :seq_len]  # [Hkv, Lk, D]
+    v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[:, :seq_len]
+    # [Lq, Hkv, G, D] -> [Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
+    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(num_kv_heads, group * query_len, head_dim)
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    valid = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.repeat(group, 1), scale=scale)
+    o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)  # [Lq, Hkv, G, D]
+    return o.reshape(query_len, num_heads, head_dim)

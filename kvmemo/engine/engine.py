@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from kvmemo.attention.cache import PagedKVCache, kv_bytes_per_token, resolve_kv_dtype
+from kvmemo.attention.cache import PagedKVCache, describe_kv_bytes, kv_bytes_per_token, resolve_kv_dtype
+from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
 from kvmemo.config import EngineConfig
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
@@ -90,15 +91,24 @@ class Engine:
             device=self.device,
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s), %.2f GiB",
-            num_blocks, config.block_size, num_blocks * config.block_size, bytes_per_token,
-            str(kv_dtype).removeprefix("torch."), num_blocks * config.block_size * bytes_per_token / 2**30,
+            "KV cache: %d blocks x %d tokens = %d tokens, %s, %.2f GiB",
+            num_blocks, config.block_size, num_blocks * config.block_size,
+            describe_kv_bytes(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype),
+            num_blocks * config.block_size * bytes_per_token / 2**30,
         )
         self.kv_bytes_per_token = bytes_per_token
+        kv_namespace = str(kv_dtype)
+        if kv_cache.is_fp8:  # per-(layer, kv head) scales from a fixed text: same weights, same scales
+            scales = calibrate_kv_scales(
+                loaded.model, self.processor.encode_prompt(CALIBRATION_TEXT),
+                arch.num_hidden_layers, arch.num_key_value_heads,
+            )
+            kv_cache.set_scales(scales.k, scales.v)
+            kv_namespace += f":scales={scales.digest()}"  # other scales, other blocks
         root = namespace_root_hash(
             # The compute dtype changes the KV of the same weights, so it joins the fingerprint.
             weights_fingerprint=f"{loaded.weights_fingerprint}:{config.dtype}",
-            kv_cache_dtype=str(kv_dtype),
+            kv_cache_dtype=kv_namespace,
             block_size=config.block_size,
             algorithm=config.prefix_cache_hash,
         )

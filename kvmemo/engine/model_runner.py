@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvmemo.attention.cache import PagedKVCache, write_kv
+from kvmemo.attention.backend import AttentionBackend, select_attention_backend
+from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.attention.paged import paged_attention
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import SchedulerOutput
 
@@ -23,12 +23,6 @@ if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
-
-# backend(q, k_cache, v_cache, metadata, scale) -> [T, Hq, D]
-AttentionBackendFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
-
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
@@ -46,7 +40,7 @@ class ModelRunner:
         *,
         scale: float,
         device: torch.device,
-        attention_backend: AttentionBackendFn = paged_attention,
+        attention_backend: AttentionBackend | None = None,
         kv_connector: KVConnector | None = None,
     ):
         self.model = model
@@ -54,7 +48,7 @@ class ModelRunner:
         self.sampler = sampler
         self.scale = scale
         self.device = device
-        self.attention_backend = attention_backend
+        self.attention_backend = attention_backend or select_attention_backend("paged", scale)
         self.kv_connector = kv_connector  # worker side: loads store blocks into the pages
         if kv_connector is not None:
             kv_connector.register_kv_caches(kv_cache)
@@ -105,12 +99,9 @@ class ModelRunner:
         return ModelRunnerOutput(sampled={seqs[i].request_id: t for i, t in zip(sampling, tokens)})
 
     def _attention_fn(self, metadata: AttentionMetadata):
-        k_caches, v_caches = self.kv_cache.k_caches, self.kv_cache.v_caches
-        backend, scale = self.attention_backend, self.scale
+        backend, kv_cache = self.attention_backend, self.kv_cache
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # Write first: queries of this step attend to their own new keys.
-            write_kv(k_caches[layer], v_caches[layer], k, v, metadata.slot_mapping)
-            return backend(q, k_caches[layer], v_caches[layer], metadata, scale)
+            return backend.forward(layer, q, k, v, kv_cache, metadata)  # writes K/V, then attends
 
         return attention

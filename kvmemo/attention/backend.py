@@ -1,0 +1,178 @@
+"""AttentionBackend: the one per-layer call that writes a step's K/V into the pages and attends.
+
+Invariant: forward(layer, ...) first writes (quantising for fp8) every new token's K and V into
+its slot, then computes attention for the mixed batch of prefill chunks and decodes described by
+the step's AttentionMetadata, reading K/V only through the pages. Every backend equals
+ReferenceAttentionBackend to float tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvmemo.attention.cache import PagedKVCache
+from kvmemo.attention.cascade import cascade_attention
+from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.attention.paged import StepPlan, paged_attention_pages
+from kvmemo.attention.torch_ref import paged_attention_ref
+from kvmemo.attention.workspace import Workspace
+
+ATTENTION_BACKENDS = ("paged", "reference")
+
+
+class AttentionBackend(Protocol):
+    """Writes K/V and attends, one layer at a time; owns its scratch memory, not the cache."""
+
+    name: str
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, Hq, D], RoPE applied
+        k: torch.Tensor,  # [T, Hkv, D], RoPE applied
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+class PagedAttentionBackend:
+    """The default backend (CPU and CUDA): batched decode, per-sequence prefill, cascade prefixes.
+
+    Owns a Workspace of gather buffers and the StepPlan of the current step, rebuilt only when a
+    new metadata object arrives (once per step, shared by all layers).
+    """
+
+    name = "paged"
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.workspace = Workspace()
+        self._plan_metadata: AttentionMetadata | None = None
+        self._plan: StepPlan | None = None
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        plan = self._plan_for(metadata, kv_cache)
+        check_step_tensors(q, k, v, kv_cache, metadata)
+        kv_cache.write(layer, k, v, metadata.slot_mapping)  # first: queries see their own keys
+        q, v_scale = fold_fp8_scales(q, kv_cache, layer)
+        if plan.cascade_blocks:
+            out = cascade_attention(
+                q, kv_cache.k_caches[layer], kv_cache.v_caches[layer], metadata,
+                plan.cascade_blocks, self.scale,
+            )
+        else:
+            out = paged_attention_pages(
+                q, kv_cache.k_pages[layer], kv_cache.v_pages[layer], plan, self.scale, self.workspace
+            )
+        return out if v_scale is None else out * v_scale
+
+    def _plan_for(self, metadata: AttentionMetadata, kv_cache: PagedKVCache) -> StepPlan:
+        if metadata is not self._plan_metadata or self._plan is None:
+            check_metadata_fits_cache(metadata, kv_cache)
+            self._plan = StepPlan.build(metadata)
+            self._plan_metadata = metadata
+        return self._plan
+
+
+class ReferenceAttentionBackend:
+    """torch_ref over dequantised pages, one sequence at a time: slow, obviously correct."""
+
+    name = "reference"
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: PagedKVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        check_metadata_fits_cache(metadata, kv_cache)
+        check_step_tensors(q, k, v, kv_cache, metadata)
+        kv_cache.write(layer, k, v, metadata.slot_mapping)
+        k_cache, v_cache = dequantized_caches(kv_cache, layer, q.dtype)
+        return paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
+
+
+def select_attention_backend(name: str, scale: float) -> AttentionBackend:
+    """The backend called `name` ('paged', the default, or 'reference')."""
+    if name == "paged":
+        return PagedAttentionBackend(scale)
+    if name == "reference":
+        return ReferenceAttentionBackend(scale)
+    raise ValueError(f"attention backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+
+
+def dequantized_caches(
+    kv_cache: PagedKVCache, layer: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s logical K and V caches [num_blocks, bs, Hkv, D] as real values in `dtype`."""
+    k, v = kv_cache.k_caches[layer].to(dtype), kv_cache.v_caches[layer].to(dtype)
+    if kv_cache.k_scales is not None and kv_cache.v_scales is not None:
+        k = k * kv_cache.k_scales[layer].to(dtype)[:, None]  # scale [Hkv, 1] over [.., Hkv, D]
+        v = v * kv_cache.v_scales[layer].to(dtype)[:, None]
+    return k, v
+
+
+def fold_fp8_scales(
+    q: torch.Tensor, kv_cache: PagedKVCache, layer: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For fp8, attention over the raw stored values with q * k_scale, then out * v_scale.
+
+    Exact: q . (k8 * s_k) = (q * s_k) . k8 and sum_j p_j (v8_j * s_v) = s_v * sum_j p_j v8_j,
+    with one scale per kv head, so dequantising costs two [Hq]-vector products, not a pass over
+    the cache. Returns (q to attend with, v scale [1, Hq, 1] or None).
+    """
+    if kv_cache.k_scales is None or kv_cache.v_scales is None:
+        return q, None
+    group = q.shape[1] // kv_cache.num_kv_heads
+    k_scale = kv_cache.k_scales[layer].repeat_interleave(group).to(q.dtype)  # [Hq]
+    v_scale = kv_cache.v_scales[layer].repeat_interleave(group).to(q.dtype)
+    return q * k_scale[None, :, None], v_scale[None, :, None]
+
+
+def check_metadata_fits_cache(metadata: AttentionMetadata, kv_cache: PagedKVCache) -> None:
+    """Raises ValueError when the metadata was built for another pool or block size."""
+    if metadata.block_size != kv_cache.block_size:
+        raise ValueError(
+            f"metadata block_size {metadata.block_size} != KV cache block_size {kv_cache.block_size}"
+        )
+    if metadata.num_cache_blocks != kv_cache.num_blocks:
+        raise ValueError(
+            f"metadata was validated against {metadata.num_cache_blocks} blocks (num_cache_blocks) "
+            f"but the KV cache has {kv_cache.num_blocks}: its block ids may lie outside the cache"
+        )
+
+
+def check_step_tensors(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache, metadata: AttentionMetadata
+) -> None:
+    """Raises ValueError when q/k/v do not hold one row per token of the metadata."""
+    num_tokens = metadata.num_tokens
+    if q.shape[0] != num_tokens or k.shape[0] != num_tokens or v.shape[0] != num_tokens:
+        raise ValueError(
+            f"q, k, v must have one row per token of the step ({num_tokens}, from query_lens), "
+            f"got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        )
+    num_kv_heads = kv_cache.num_kv_heads
+    if k.shape[1] != num_kv_heads or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"k must have the cache's {num_kv_heads} kv heads and q a multiple of them, "
+            f"got k {tuple(k.shape)}, q {tuple(q.shape)}"
+        )

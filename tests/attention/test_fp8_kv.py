@@ -1,0 +1,77 @@
+"""FP8 KV cache on the real model: bytes per token, calibrated scales, namespace, fast == reference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvmemo import LLM, SamplingParams
+from kvmemo.attention.backend import ReferenceAttentionBackend
+from kvmemo.attention.cache import PagedKVCache
+from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
+from kvmemo.kv.hashing import namespace_root_hash
+from tests.helpers import assert_all_blocks_free
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def fp8_llm():
+    return LLM(kv_cache_dtype="fp8_e4m3", num_blocks=64, enable_prefix_caching=False)
+
+
+def test_bytes_per_token_of_the_real_models_pool(fp8_llm):
+    """Measured on allocated pages: fp8 is exactly 1/4 of fp32 and 1/2 of bf16 (scales are per head)."""
+    arch = fp8_llm.engine.loaded.arch_config
+    measured = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        cache = PagedKVCache.allocate(num_layers=arch.num_hidden_layers, num_blocks=4, block_size=16,
+                                      num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+                                      dtype=dtype, device="cpu")
+        measured[dtype] = cache.bytes_per_token
+    assert measured[torch.float32] == 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
+    assert measured[torch.float8_e4m3fn] * 4 == measured[torch.float32]
+    assert measured[torch.float8_e4m3fn] * 2 == measured[torch.bfloat16]
+    engine_cache = fp8_llm.engine.runner.kv_cache
+    assert engine_cache.bytes_per_token == fp8_llm.engine.kv_bytes_per_token == measured[torch.float8_e4m3fn]
+
+
+def test_startup_log_states_bytes_per_token_and_ratios(caplog):
+    with caplog.at_level(logging.INFO, logger="kvmemo.engine.engine"):
+        LLM(kv_cache_dtype="fp8_e4m3", num_blocks=4)
+    line = next(r.getMessage() for r in caplog.records if "bytes/token" in r.getMessage())
+    assert "(float8_e4m3fn): 0.25x float32, 0.50x bfloat16" in line
+
+
+def test_scales_are_calibrated_deterministic_and_in_the_namespace(fp8_llm):
+    engine = fp8_llm.engine
+    cache = engine.runner.kv_cache
+    assert cache.k_scales is not None and not torch.all(cache.k_scales == 1)  # calibrated
+    arch = engine.loaded.arch_config
+    again = calibrate_kv_scales(engine.runner.model, engine.processor.encode_prompt(CALIBRATION_TEXT),
+                                arch.num_hidden_layers, arch.num_key_value_heads)
+    assert torch.equal(again.k, cache.k_scales) and torch.equal(again.v, cache.v_scales)
+    fp32_root = namespace_root_hash(
+        weights_fingerprint=f"{engine.loaded.weights_fingerprint}:float32", kv_cache_dtype="torch.float32",
+        block_size=16)
+    fp8_root = namespace_root_hash(
+        weights_fingerprint=f"{engine.loaded.weights_fingerprint}:float32",
+        kv_cache_dtype=f"torch.float8_e4m3fn:scales={again.digest()}", block_size=16)
+    assert engine.hasher.root == fp8_root != fp32_root
+
+
+def test_fast_path_equals_reference_backend_with_fp8_pages(fp8_llm):
+    prompts = ["The three primary colours are", "def add(a, b):\n    return"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runner = fp8_llm.engine.runner
+    fast = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params, use_tqdm=False)]
+    paged = runner.attention_backend
+    runner.attention_backend = ReferenceAttentionBackend(runner.scale)
+    try:
+        ref = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        runner.attention_backend = paged
+    assert fast == ref
+    assert_all_blocks_free(fp8_llm)

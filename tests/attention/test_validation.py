@@ -1,0 +1,92 @@
+"""Metadata inconsistent with the batch or the cache raises a ValueError naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmemo.attention.backend import PagedAttentionBackend, ReferenceAttentionBackend
+from kvmemo.attention.cache import PagedKVCache
+from kvmemo.attention.fp8 import KVScales
+from kvmemo.attention.metadata import AttentionMetadata
+from tests.attention.paged_testing import HEAD_DIM, make_batch
+
+GOOD = dict(block_tables=[[0, 1], [2]], num_computed_tokens=[17, 3], query_lens=[1, 2],
+            block_size=16, num_cache_blocks=4, request_ids=["a", "b"])
+
+
+def build(**changes) -> AttentionMetadata:
+    return AttentionMetadata.build(**{**GOOD, **changes})
+
+
+def test_good_metadata_carries_request_ids_and_beam_indices():
+    md = build()
+    assert md.request_ids == ["a", "b"] and md.beam_indices == [0, 0]  # default: beam 0
+    assert md.slot_mapping.tolist() == [1 * 16 + 1, 2 * 16 + 3, 2 * 16 + 4]
+    assert md.seq_lens == [18, 5] and md.query_start_loc == [0, 1, 3]
+    beams = build(request_ids=["a", "a"], beam_indices=[0, 1])
+    assert beams.beam_indices == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(request_ids=["a"]), r"'request_ids': 1.* for 2 sequences"),
+        (dict(beam_indices=[0]), r"'beam_indices': 1.* for 2 sequences"),
+        (dict(beam_indices=[0, 1, 2]), r"'beam_indices': 3.* for 2 sequences"),
+        (dict(block_tables=[[0, 1]]), r"'block_tables': 1.* for 2 sequences"),
+        (dict(num_computed_tokens=[17]), r"'num_computed_tokens': 1.* for 2 sequences"),
+        (dict(num_computed_tokens=[40, 3]), r"sequence 0 \('a', beam 0\) has 2 blocks, too short for a context of 41"),
+        (dict(block_tables=[[0, 1], []]), r"sequence 1 \('b', beam 0\) has 0 blocks"),
+        (dict(block_tables=[[0, 4], [2]]), r"block id outside \[0, 4\)"),
+        (dict(block_tables=[[0, 1], [-1]]), r"block id outside \[0, 4\)"),
+        (dict(query_lens=[1, 0]), r"query_lens of sequence 1 .* must be an integer >= 1"),
+        (dict(num_computed_tokens=[17, -1]), r"num_computed_tokens of sequence 1 .* >= 0"),
+        (dict(beam_indices=[0, -1]), r"beam_indices of sequence 1 .* >= 0"),
+        (dict(block_size=0), r"block_size must be a positive integer"),
+    ],
+)
+def test_inconsistent_metadata_raises(changes, message):
+    with pytest.raises(ValueError, match=message):
+        build(**changes)
+
+
+@pytest.mark.parametrize("backend_cls", [PagedAttentionBackend, ReferenceAttentionBackend])
+def test_backend_rejects_metadata_of_another_pool_or_batch(backend_cls):
+    batch = make_batch(cached=[5, 9], new=[1, 3], group=3, block_size=8, seed=0)
+    backend = backend_cls(HEAD_DIM**-0.5)
+    md = batch.metadata
+    smaller = PagedKVCache.allocate(num_layers=1, num_blocks=2, block_size=8, num_kv_heads=2,
+                                    head_dim=HEAD_DIM, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="num_cache_blocks"):  # slots could lie outside this cache
+        backend.forward(0, batch.q, batch.new_k, batch.new_v, smaller, md)
+    other_block_size = PagedKVCache.allocate(num_layers=1, num_blocks=batch.cache.num_blocks, block_size=16,
+                                             num_kv_heads=2, head_dim=HEAD_DIM, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="block_size"):
+        backend.forward(0, batch.q, batch.new_k, batch.new_v, other_block_size, md)
+    with pytest.raises(ValueError, match="one row per token of the step"):
+        backend.forward(0, batch.q[:-1], batch.new_k[:-1], batch.new_v[:-1], batch.cache, md)
+    with pytest.raises(ValueError, match="kv heads"):
+        backend.forward(0, batch.q, batch.new_k[:, :1], batch.new_v[:, :1], batch.cache, md)
+
+
+def test_fp8_scales_are_validated_and_only_for_fp8():
+    fp8 = PagedKVCache.allocate(num_layers=2, num_blocks=2, block_size=8, num_kv_heads=3, head_dim=8,
+                                dtype=torch.float8_e4m3fn, device="cpu")
+    with pytest.raises(ValueError, match=r"k_scales must be positive with shape \(2, 3\)"):
+        fp8.set_scales(torch.ones(2, 2), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="v_scales must be positive"):
+        fp8.set_scales(torch.ones(2, 3), torch.zeros(2, 3))
+    fp32 = PagedKVCache.allocate(num_layers=2, num_blocks=2, block_size=8, num_kv_heads=3, head_dim=8,
+                                 dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="fp8 KV cache only"):
+        fp32.set_scales(torch.ones(2, 3), torch.ones(2, 3))
+
+
+def test_scale_digest_changes_with_any_scale():
+    base = KVScales(k=torch.full((2, 3), 0.25), v=torch.full((2, 3), 0.5))
+    assert base.digest() == KVScales(k=base.k.clone(), v=base.v.clone()).digest()
+    k = base.k.clone()
+    k[1, 2] = 0.125
+    assert KVScales(k=k, v=base.v).digest() != base.digest()
+    assert KVScales(k=base.v, v=base.k).digest() != base.digest()  # K and V are not interchangeable

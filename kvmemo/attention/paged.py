@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvmemo.attention.cascade import cascade_attention, cascade_prefix_blocks
+from kvmemo.attention.cascade import cascade_attention, cascade_prefix_blocks, merge_attention_states
 from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
@@ -167,16 +167,48 @@ def prefill_attention(
     scale: float,
     workspace: Workspace,
 ) -> torch.Tensor:
-    """Causal among the new tokens, full over the cached ones. Returns [Lq, Hq, D]."""
+    """Causal among the new tokens, full over the cached ones. Returns [Lq, Hq, D].
+
+    CPU: two mask-free flash calls merged by log-sum-exp, the cached keys without a mask and the
+    new keys with is_causal (which skips the upper triangle): no [Lq, Lk] mask is built and K/V
+    heads are shared through the kernel's native grouped-query support. Elsewhere: one masked SDPA.
+    """
     query_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[0]
+    num_cached = seq_len - query_len
+    k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[None, :, :seq_len]  # [1, Hkv, Lk, D]
+    v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[None, :, :seq_len]
+    if q.device.type != "cpu":
+        return _masked_prefill(q, k, v, num_cached, scale)
+    q4 = q.transpose(0, 1)[None]  # [1, Hq, Lq, D]
+    o_new, lse_new = _flash_cpu(q4, k[:, :, num_cached:], v[:, :, num_cached:], True, scale)
+    if num_cached == 0:
+        return o_new[0].transpose(0, 1)
+    o_cached, lse_cached = _flash_cpu(q4, k[:, :, :num_cached], v[:, :, :num_cached], False, scale)
+    o = merge_attention_states(o_cached, lse_cached, o_new, lse_new).to(q.dtype)  # [1, Hq, Lq, D]
+    return o[0].transpose(0, 1)
+
+
+def _flash_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention with grouped-query heads: o [1, Hq, Lq, D] and fp32 lse [1, Hq, Lq]."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=is_causal, scale=scale
+    )[:2]
+    return o, lse
+
+
+def _masked_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
+    """One SDPA with grouped-query heads folded into query rows and a bottom-right causal mask."""
+    query_len, num_heads, head_dim = q.shape
+    num_kv_heads, seq_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[:, :seq_len]  # [Hkv, Lk, D]
-    v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[:, :seq_len]
-    # [Lq, Hkv, G, D] -> [Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
+    # [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
     qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(num_kv_heads, group * query_len, head_dim)
-    q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
+    q_pos = torch.arange(num_cached, seq_len, device=q.device)
     valid = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.repeat(group, 1), scale=scale)
     o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)  # [Lq, Hkv, G, D]

@@ -158,3 +158,14 @@ def test_select_attention_backend():
     assert select_attention_backend("reference", 0.1).name == "reference"
     with pytest.raises(ValueError, match="attention backend must be one of"):
         select_attention_backend("flash", 0.1)
+
+
+def test_masked_prefill_used_off_cpu_matches_dense():
+    """The single masked SDPA that non-CPU devices use for prefill chunks."""
+    from kvmemo.attention.paged import _masked_prefill
+
+    batch = make_batch(cached=[21], new=[11], group=3, block_size=8, seed=4)
+    k = batch.full_k[0].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = batch.full_v[0].transpose(0, 1)[None]
+    got = _masked_prefill(batch.q, k, v, 21, SCALE)
+    torch.testing.assert_close(got, batch.expected(SCALE), atol=2e-5, rtol=2e-5)

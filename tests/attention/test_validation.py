@@ -90,3 +90,12 @@ def test_scale_digest_changes_with_any_scale():
     k[1, 2] = 0.125
     assert KVScales(k=k, v=base.v).digest() != base.digest()
     assert KVScales(k=base.v, v=base.k).digest() != base.digest()  # K and V are not interchangeable
+
+
+def test_fast_fp8_conversion_is_exact_for_every_byte():
+    from kvmemo.attention.cache import fp8_to_float
+
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = every[~every.float().isnan()]
+    out = fp8_to_float(finite, torch.empty(finite.shape), torch.empty(finite.shape, dtype=torch.int16))
+    assert torch.equal(out, finite.float())

@@ -2,10 +2,10 @@
 
 Invariant: equal (to float tolerance) to torch_ref.paged_attention_ref for every batch.
 Pages are gathered into reused workspace buffers (never a fresh allocation per layer), laid out
-[Hkv, L, D] per sequence so SDPA reads unit-stride rows; grouped-query heads are folded into
-query rows ([Hkv, G * Lq, D]) so K/V are never repeated. Everything that depends only on the
-step (which sequences decode, the flattened block ids, masks) lives in a StepPlan built once per
-step and shared by every layer.
+[Hkv, L, D] per sequence so SDPA reads unit-stride rows; K/V heads are shared by grouped-query
+heads without repeat copies (decode folds the group into query rows, prefill uses the flash
+kernel's native support). Everything that depends only on the step (which sequences decode, the
+flattened block ids, masks) lives in a StepPlan built once per step and shared by every layer.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 
 A random LLaVA (CLIP vision tower 112 px / patch 14 -> 64 image tokens, 4 layers, 192 wide; Llama
 text model, 6 layers, 512 wide; the SmolLM2 tokenizer plus <image>) is built on the fly. Few output
-tokens, so the prompt (image) prefill dominates, as it does for real VLM requests. Workload: N prompts
-"USER: <image>\\n<question> ASSISTANT:", a fraction `hit_rate` of them repeating an earlier
+tokens, so the prompt (image) prefill dominates, as it does for real VLM requests. Workload:
+N prompts "USER: <image>\\n<question> ASSISTANT:", a fraction `hit_rate` of them repeating an earlier
 prompt's image and question, each repeat right after its original ("repeats grouped together",
 the best locality, as upstream). All N go in one generate() call (continuous batching).
 
@@ -40,7 +40,12 @@ QUESTIONS = [
 
 def build_model(directory: Path) -> None:
     import torch
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from kvmemo.model.loader import bundled_model_path, fingerprint_files
@@ -50,17 +55,30 @@ def build_model(directory: Path) -> None:
     tokenizer = load_gguf_tokenizer(gguf, fingerprint_files([gguf], gguf.parent))
     tokenizer.add_tokens(["<image>"], special_tokens=True)
     vision = CLIPVisionConfig(
-        hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-        image_size=112, patch_size=14,
+        hidden_size=192,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=112,
+        patch_size=14,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), image_seq_length=64,
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=64,
     )
     torch.manual_seed(0)
     LlavaForConditionalGeneration(config).save_pretrained(directory)
@@ -153,9 +171,13 @@ def main() -> None:
     result = {
         "machine": machine(),
         "config": {
-            "num_prompts": args.num_prompts, "hit_rate": args.hit_rate, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "image_tokens": 64, "block_size": 16,
-            "model": "random LLaVA: CLIP 112px/14 (4 layers, 192 wide) + Llama (6 layers, 512 wide)",
+            "num_prompts": args.num_prompts,
+            "hit_rate": args.hit_rate,
+            "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
+            "image_tokens": 64,
+            "block_size": 16,
+            "model": "random LLaVA: CLIP 112px/14 (4 layers, 192 wide), Llama (6 layers, 512 wide)",
         },
         **{key: summary(key) for key in runs},
     }

@@ -55,7 +55,8 @@ class LLM:
         unknown = sorted(set(prompt) - {"prompt", "images"})
         if unknown or "prompt" not in prompt:
             raise ValueError(
-                f"a dict prompt takes the keys 'prompt' (required) and 'images'; got {sorted(prompt)}"
+                "a dict prompt takes the keys 'prompt' (required) and 'images'; "
+                f"got {sorted(prompt)}"
             )
         images = prompt.get("images") or []
         if not isinstance(images, (list, tuple)):

@@ -132,7 +132,8 @@ class ModelRunner:
                 else:
                     to_encode[key] = pixels
         if to_encode:
-            pixel_values = torch.from_numpy(np.stack(list(to_encode.values()))).to(self.device)  # [N, 3, S, S]
+            pixel_values = torch.from_numpy(np.stack(list(to_encode.values())))  # [N, 3, S, S]
+            pixel_values = pixel_values.to(self.device)
             encoded = self.model.encode_images(pixel_values)  # [N, num_image_tokens, hidden]
             cache.stats.num_encoder_calls += 1
             cache.stats.num_encoded_images += len(to_encode)
@@ -141,12 +142,14 @@ class ModelRunner:
                 cache.put(key, rows)
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         for index, seq in enumerate(seqs):
-            chunk_start, chunk_end = seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)
+            chunk_start = seq.num_computed_tokens
+            chunk_end = chunk_start + len(seq.token_ids)
             row0 = metadata.query_start_loc[index] - chunk_start  # batch row of position 0
             for item, _ in seq.mm_inputs:
                 lo, hi = max(chunk_start, item.offset), min(chunk_end, item.end)
                 # Chunked prefill may cover only part of an image: copy just the rows it computes.
-                embeds[row0 + lo : row0 + hi] = features[item.content_hash][lo - item.offset : hi - item.offset]
+                rows = features[item.content_hash][lo - item.offset : hi - item.offset]
+                embeds[row0 + lo : row0 + hi] = rows
         return {"inputs_embeds": embeds}
 
     def _attention_fn(self, metadata: AttentionMetadata):

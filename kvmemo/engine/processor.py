@@ -46,7 +46,8 @@ class InputProcessor:
         """Tokenize `prompt`; with images, each image marker (e.g. "<image>") becomes the image's
         placeholder tokens. A token-id prompt marks images with the image token id, unexpanded."""
         token_ids = self.encode_prompt(prompt)
-        return self._expand_images(token_ids, list(images or ()), prompt if isinstance(prompt, str) else None)
+        text = prompt if isinstance(prompt, str) else None
+        return self._expand_images(token_ids, list(images or ()), text)
 
     def process_chat(self, messages: list[dict[str, Any]]) -> ProcessedPrompt:
         """Render a conversation whose contents may be OpenAI content-part lists with images."""
@@ -83,7 +84,9 @@ class InputProcessor:
             raise ValueError(f"{where}: this model does not accept images; send text parts only")
         return self.image_input.image_token
 
-    def _expand_images(self, token_ids: list[int], images: list[Any], text: str | None) -> ProcessedPrompt:
+    def _expand_images(
+        self, token_ids: list[int], images: list[Any], text: str | None
+    ) -> ProcessedPrompt:
         spec = self.image_input
         if spec is None:
             if images:
@@ -107,7 +110,8 @@ class InputProcessor:
                 expanded.append(token)
                 continue
             pixels = preprocess(load_image(images[len(items)]), spec.processor)  # [3, S, S]
-            items.append(MultiModalItem(len(expanded), spec.num_image_tokens, content_hash(pixels, spec.processor)))
+            digest = content_hash(pixels, spec.processor)
+            items.append(MultiModalItem(len(expanded), spec.num_image_tokens, digest))
             data.append(pixels)
             expanded.extend([spec.image_token_id] * spec.num_image_tokens)
         return ProcessedPrompt(expanded, text, items, data)

@@ -48,7 +48,9 @@ class ImageProcessorConfig:
 
     def __post_init__(self) -> None:
         if self.resample not in _RESAMPLE_NAMES:
-            raise ValueError(f"resample must be one of {sorted(_RESAMPLE_NAMES)}, got {self.resample!r}")
+            raise ValueError(
+                f"resample must be one of {sorted(_RESAMPLE_NAMES)}, got {self.resample!r}"
+            )
         for name in ("shortest_edge", "crop_height", "crop_width"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -65,7 +67,9 @@ class ImageProcessorConfig:
             raise ValueError(
                 f"preprocessor_config.json size must give shortest_edge (CLIP style), got {size!r}"
             )
-        crop = raw.get("crop_size", {"height": size["shortest_edge"], "width": size["shortest_edge"]})
+        crop = raw.get(
+            "crop_size", {"height": size["shortest_edge"], "width": size["shortest_edge"]}
+        )
         if isinstance(crop, int):
             crop = {"height": crop, "width": crop}
         return cls(
@@ -128,7 +132,9 @@ def load_image(source: Any) -> Any:
             data = bytes(source)
         elif isinstance(source, (str, os.PathLike)):
             if str(source).startswith(("http://", "https://")):
-                raise ValueError("image: remote URLs are not fetched; pass a data: URL, bytes or a file")
+                raise ValueError(
+                    "image: remote URLs are not fetched; pass a data: URL, bytes or a file"
+                )
             path = Path(source)
             if not path.is_file():
                 raise ValueError(f"image: no such file {str(path)!r}")
@@ -137,10 +143,13 @@ def load_image(source: Any) -> Any:
             data = path.read_bytes()
         else:
             raise ValueError(
-                f"image must be a PIL image, a file path, bytes or a data: URL, got {type(source).__name__}"
+                "image must be a PIL image, a file path, bytes or a data: URL, "
+                f"got {type(source).__name__}"
             )
         if len(data) > MAX_IMAGE_BYTES:
-            raise ValueError(f"image: {len(data)} bytes is larger than the limit of {MAX_IMAGE_BYTES}")
+            raise ValueError(
+                f"image: {len(data)} bytes is larger than the limit of {MAX_IMAGE_BYTES}"
+            )
         try:
             image = Image.open(io.BytesIO(data))
         except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError...

@@ -2,7 +2,8 @@
 
 Invariant: encode_images() gives, per image, exactly `num_image_tokens` rows of language-model
 width; the language model reads them in place of the image's placeholder token embeddings, so a
-prompt's KV depends on (tokens, image features) exactly as in transformers' LlavaForConditionalGeneration.
+prompt's KV depends on (tokens, image features) exactly as in transformers'
+LlavaForConditionalGeneration.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ class LlavaConfig:
             text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
         layer = raw.get("vision_feature_layer", -2)
         if not isinstance(layer, int):
-            raise ValueError(f"vision_feature_layer must be one integer, got {layer!r} (lists unsupported)")
+            raise ValueError(
+                f"vision_feature_layer must be one integer, got {layer!r} (lists unsupported)"
+            )
         strategy = raw.get("vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
+            raise ValueError(
+                f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}"
+            )
         token = raw.get("image_token_id", raw.get("image_token_index"))
         if token is None:
             raise ValueError("config.json lacks image_token_id (or image_token_index)")
@@ -109,15 +114,22 @@ class LlavaForConditionalGeneration(nn.Module):
         """Adopt an HF LLaVA state dict (any of the key layouts in _PREFIXES)."""
         canonical = {canonical_key(k): v for k, v in state_dict.items()}
         text_sd = {
-            k.removeprefix("language_model."): v for k, v in canonical.items() if k.startswith("language_model.")
+            k.removeprefix("language_model."): v
+            for k, v in canonical.items()
+            if k.startswith("language_model.")
         }
-        language_model = LlamaForCausalLM.from_state_dict(config.text, text_sd, dtype=dtype, device=device)
+        language_model = LlamaForCausalLM.from_state_dict(
+            config.text, text_sd, dtype=dtype, device=device
+        )
         with torch.device("meta"):
             model = cls(config, language_model)
         model.language_model = language_model  # the meta-built copy above is replaced wholesale
         adopt_weights(
-            model.vision_tower, model.vision_tower.hf_weight_map("vision_tower."), canonical,
-            dtype=dtype, device=device,
+            model.vision_tower,
+            model.vision_tower.hf_weight_map("vision_tower."),
+            canonical,
+            dtype=dtype,
+            device=device,
         )
         projector = {
             f"{layer}.{kind}": f"multi_modal_projector.{layer}.{kind}"

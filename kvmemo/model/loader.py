@@ -119,7 +119,9 @@ def load_model(
             fingerprint_extra = [p for p in [resolved / "preprocessor_config.json"] if p.is_file()]
         else:
             state_dict, arch_config = load_safetensors_dir(resolved)
-        fingerprint = fingerprint_files([resolved / "config.json", *fingerprint_extra, *files], resolved)
+        fingerprint = fingerprint_files(
+            [resolved / "config.json", *fingerprint_extra, *files], resolved
+        )
 
     if image_input is None:
         model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)
@@ -155,13 +157,17 @@ def _load_llava(
     )
     processor = ImageProcessorConfig.from_dir(directory)
     size = config.vision.image_size
-    if (processor.crop_height, processor.crop_width) != (size, size) or not processor.do_center_crop:
+    crop = (processor.crop_height, processor.crop_width)
+    if crop != (size, size) or not processor.do_center_crop:
         raise ValueError(
             f"preprocessor_config.json must center-crop to the vision tower's {size}x{size} input, "
             f"got crop {processor.crop_height}x{processor.crop_width}"
         )
     image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
-    if not isinstance(image_token, str) or tokenizer.convert_tokens_to_ids(image_token) != config.image_token_id:
+    round_trip = None
+    if isinstance(image_token, str):
+        round_trip = tokenizer.convert_tokens_to_ids(image_token)
+    if round_trip != config.image_token_id:
         raise ValueError(f"the tokenizer has no token for image_token_id {config.image_token_id}")
     spec = ImageInputSpec(image_token, config.image_token_id, config.num_image_tokens, processor)
     return model, spec

@@ -46,7 +46,8 @@ class VisionConfig:
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size != 0:
             raise ValueError(
-                f"vision image_size {self.image_size} must be a multiple of patch_size {self.patch_size}"
+                f"vision image_size {self.image_size} must be a multiple of "
+                f"patch_size {self.patch_size}"
             )
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError("vision hidden_size must be a multiple of num_attention_heads")
@@ -100,7 +101,11 @@ class VisionEncoderLayer(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, seq, self.num_heads, dim // self.num_heads).transpose(1, 2)
 
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))  # [B, H, S, D]
+        q, k, v = (
+            heads(self.q_proj(x)),
+            heads(self.k_proj(x)),
+            heads(self.v_proj(x)),
+        )  # [B, H, S, D]
         attn = F.scaled_dot_product_attention(q, k, v)  # full (bidirectional) attention
         hidden = hidden + self.out_proj(attn.transpose(1, 2).reshape(batch, seq, dim))
         return hidden + self.fc2(self.act(self.fc1(self.layer_norm2(hidden))))
@@ -122,21 +127,33 @@ class VisionTower(nn.Module):
         dim = config.hidden_size
         self.class_embedding = nn.Parameter(torch.empty(dim))
         self.patch_embedding = nn.Conv2d(
-            config.num_channels, dim, kernel_size=config.patch_size, stride=config.patch_size, bias=False
+            config.num_channels,
+            dim,
+            kernel_size=config.patch_size,
+            stride=config.patch_size,
+            bias=False,
         )
-        self.position_embedding = nn.Embedding(config.num_patches + 1, dim, _weight=torch.empty(config.num_patches + 1, dim))
+        self.position_embedding = nn.Embedding(
+            config.num_patches + 1, dim, _weight=torch.empty(config.num_patches + 1, dim)
+        )
         self.pre_layrnorm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(self.num_layers_used))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [N, C, S, S] -> hidden states of the selected layer [N, 1 + patches, dim]."""
+        """pixel_values [N, C, S, S] -> the selected layer's hidden states [N, 1 + patches, dim]."""
         size = self.config.image_size
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[-2:]) != (size, size):
-            raise ValueError(f"pixel_values must be [N, C, {size}, {size}], got {tuple(pixel_values.shape)}")
-        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # [N, dim, g, g]
+            raise ValueError(
+                f"pixel_values must be [N, C, {size}, {size}], got {tuple(pixel_values.shape)}"
+            )
+        patches = self.patch_embedding(
+            pixel_values.to(self.patch_embedding.weight.dtype)
+        )  # [N, dim, g, g]
         patches = patches.flatten(2).transpose(1, 2)  # [N, patches, dim]
         cls = self.class_embedding.expand(patches.shape[0], 1, -1)  # [N, 1, dim]
-        hidden = torch.cat([cls, patches], dim=1) + self.position_embedding.weight  # [N, 1 + patches, dim]
+        hidden = (
+            torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+        )  # [N, 1 + patches, dim]
         hidden = self.pre_layrnorm(hidden)
         for layer in self.layers:
             hidden = layer(hidden)
@@ -153,10 +170,14 @@ class VisionTower(nn.Module):
         }
         for i in range(self.num_layers_used):
             for ours, theirs in (
-                ("layer_norm1", "layer_norm1"), ("layer_norm2", "layer_norm2"),
-                ("q_proj", "self_attn.q_proj"), ("k_proj", "self_attn.k_proj"),
-                ("v_proj", "self_attn.v_proj"), ("out_proj", "self_attn.out_proj"),
-                ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"),
+                ("layer_norm1", "layer_norm1"),
+                ("layer_norm2", "layer_norm2"),
+                ("q_proj", "self_attn.q_proj"),
+                ("k_proj", "self_attn.k_proj"),
+                ("v_proj", "self_attn.v_proj"),
+                ("out_proj", "self_attn.out_proj"),
+                ("fc1", "mlp.fc1"),
+                ("fc2", "mlp.fc2"),
             ):
                 for kind in ("weight", "bias"):
                     names[f"layers.{i}.{ours}.{kind}"] = f"encoder.layers.{i}.{theirs}.{kind}"
@@ -164,8 +185,12 @@ class VisionTower(nn.Module):
 
 
 def adopt_weights(
-    module: nn.Module, name_map: dict[str, str], state_dict: Mapping[str, torch.Tensor],
-    *, dtype: torch.dtype, device: str | torch.device,
+    module: nn.Module,
+    name_map: dict[str, str],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
 ) -> None:
     """Replace every parameter of a meta-device `module` by state_dict[name_map[name]].
 
@@ -178,7 +203,13 @@ def adopt_weights(
     for name, param in params.items():
         weight = state_dict[name_map[name]]
         if tuple(weight.shape) != tuple(param.shape):
-            raise ValueError(f"{name_map[name]} has shape {tuple(weight.shape)}, expected {tuple(param.shape)}")
+            raise ValueError(
+                f"{name_map[name]} has shape {tuple(weight.shape)}, expected {tuple(param.shape)}"
+            )
         owner, _, attr = name.rpartition(".")
         target = module.get_submodule(owner) if owner else module
-        setattr(target, attr, nn.Parameter(weight.to(device=device, dtype=dtype).contiguous(), requires_grad=False))
+        setattr(
+            target,
+            attr,
+            nn.Parameter(weight.to(device=device, dtype=dtype).contiguous(), requires_grad=False),
+        )

@@ -23,8 +23,12 @@ def llm_on(llava):
 
     # No partial-block reuse: the tests then state exactly which full blocks may be hits.
     return LLM(
-        model=str(llava[0]), device="cpu", block_size=8, num_blocks=512,
-        max_num_batched_tokens=24, enable_partial_reuse=False,
+        model=str(llava[0]),
+        device="cpu",
+        block_size=8,
+        num_blocks=512,
+        max_num_batched_tokens=24,
+        enable_partial_reuse=False,
     )
 
 
@@ -32,7 +36,9 @@ def llm_on(llava):
 def llm_off(llava):
     from kvmemo import LLM
 
-    return LLM(model=str(llava[0]), device="cpu", block_size=8, num_blocks=512, enable_prefix_caching=False)
+    return LLM(
+        model=str(llava[0]), device="cpu", block_size=8, num_blocks=512, enable_prefix_caching=False
+    )
 
 
 @pytest.fixture(autouse=True)

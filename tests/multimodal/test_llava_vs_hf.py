@@ -29,7 +29,9 @@ def test_pixels_match_the_hf_image_processor(llava) -> None:
 
     hf = CLIPImageProcessorPil.from_pretrained(str(llava[0]))
     config = ImageProcessorConfig.from_dir(llava[0])
-    rgba = Image.fromarray(np.random.default_rng(5).integers(0, 256, (30, 61, 4), dtype=np.uint8), "RGBA")
+    rgba = Image.fromarray(
+        np.random.default_rng(5).integers(0, 256, (30, 61, 4), dtype=np.uint8), "RGBA"
+    )
     gray = Image.fromarray(np.random.default_rng(6).integers(0, 256, (90, 33), dtype=np.uint8), "L")
     for image in (picture(1), picture(2, (200, 120)), rgba, gray):
         theirs = hf(images=[image], return_tensors="np")["pixel_values"][0]
@@ -45,7 +47,11 @@ def test_prompt_logits_and_greedy_tokens_match_hf(llava, llm_on, llm_off) -> Non
     for name, llm in (("chunked+cache", llm_on), ("one chunk", llm_off)):
         llm.engine.runner.capture_logits = True
         try:
-            first = llm.generate({"prompt": PROMPT, "images": [image]}, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+            first = llm.generate(
+                {"prompt": PROMPT, "images": [image]},
+                SamplingParams(temperature=0.0, max_tokens=1),
+                use_tqdm=False,
+            )[0]
             logits = llm.engine.runner.last_logits[0]
         finally:
             llm.engine.runner.capture_logits = False
@@ -58,9 +64,13 @@ def test_prompt_logits_and_greedy_tokens_match_hf(llava, llm_on, llm_off) -> Non
     with torch.no_grad():
         hf_logits = hf(input_ids=input_ids, pixel_values=pixel_values).logits[0, -1].float()
         hf_tokens = hf.generate(
-            input_ids=input_ids, pixel_values=pixel_values, max_new_tokens=GREEDY.max_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )[0, input_ids.shape[1]:].tolist()
+            input_ids=input_ids,
+            pixel_values=pixel_values,
+            max_new_tokens=GREEDY.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, input_ids.shape[1] :].tolist()
     top2 = hf_logits.topk(2).values
     assert top2[0] - top2[1] > 1e-3, "tiny model's top logits are too close to test greedy"
     for name, (ids, logits, tokens) in runs.items():
@@ -78,9 +88,13 @@ def test_two_images_in_one_prompt_match_hf(llava, llm_on) -> None:
     input_ids, pixel_values = _hf_inputs(llava, out.prompt_token_ids, images)
     with torch.no_grad():
         hf_tokens = hf.generate(
-            input_ids=input_ids, pixel_values=pixel_values, max_new_tokens=GREEDY.max_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )[0, input_ids.shape[1]:].tolist()
+            input_ids=input_ids,
+            pixel_values=pixel_values,
+            max_new_tokens=GREEDY.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, input_ids.shape[1] :].tolist()
     assert out.outputs[0].token_ids == hf_tokens
 
 
@@ -95,10 +109,15 @@ def test_one_picture_one_hash_whatever_the_source(tmp_path, llava) -> None:
     path = tmp_path / "p.png"
     path.write_bytes(data)
     url = "data:image/png;base64," + base64.b64encode(data).decode()
-    hashes = {content_hash(preprocess(load_image(src), config), config) for src in (image, data, str(path), path, url)}
+    hashes = {
+        content_hash(preprocess(load_image(src), config), config)
+        for src in (image, data, str(path), path, url)
+    }
     assert len(hashes) == 1
     assert content_hash(preprocess(picture(32), config), config) not in hashes
-    other = ImageProcessorConfig.from_dict({"size": {"shortest_edge": 28}, "crop_size": 28, "image_mean": [0.5] * 3})
+    other = ImageProcessorConfig.from_dict(
+        {"size": {"shortest_edge": 28}, "crop_size": 28, "image_mean": [0.5] * 3}
+    )
     assert content_hash(preprocess(image, other), other) not in hashes  # settings join the hash
 
 

@@ -58,13 +58,15 @@ def test_different_image_same_placeholders_reuses_no_image_block(llm_on, llm_off
 def test_same_image_at_another_position(llm_on, llm_off) -> None:
     llm_on.reset_prefix_cache()
     head = _ids(llm_on, "Shared preamble about pictures and what they show to us. USER:")
-    shift = _ids(llm_on, " Look carefully at this picture please now and then answer")[:BLOCK]  # exactly one block
+    shift = _ids(llm_on, " Look carefully at this picture please now and then answer")[
+        :BLOCK
+    ]  # exactly one block
     assert len(shift) == BLOCK
     tail = _ids(llm_on, " What is in it? ASSISTANT: It is")
     image = [_image_token(llm_on)]
     base = head + image + tail
     shifted = head + shift + image + tail
-    first = _run(llm_on, base, [picture(301)])
+    _run(llm_on, base, [picture(301)])
     moved = _run(llm_on, shifted, [picture(301)])
     # The image's blocks hold the same tokens at the same offsets relative to the image, but
     # chain from a different parent: only the blocks of `head` are shared.
@@ -76,7 +78,10 @@ def test_same_image_at_another_position(llm_on, llm_off) -> None:
     image_end = len(head) + NUM_IMAGE_TOKENS
     common = image_end + next(i for i, (x, y) in enumerate(zip(tail, other_tail)) if x != y)
     assert again.metrics.num_cached_tokens == common // BLOCK * BLOCK >= image_end // BLOCK * BLOCK
-    assert again.outputs[0].token_ids == _run(llm_off, head + image + other_tail, [picture(301)]).outputs[0].token_ids
+    assert (
+        again.outputs[0].token_ids
+        == _run(llm_off, head + image + other_tail, [picture(301)]).outputs[0].token_ids
+    )
 
 
 def test_mixed_batch_equals_caching_off(llm_on, llm_off) -> None:

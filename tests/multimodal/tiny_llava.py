@@ -20,7 +20,12 @@ def build_tiny_llava(directory: Path, *, seed: int = 0, init_std: float = 0.15) 
     init_std is far above HF's 0.02 so that logits are spread out and greedy argmax is not
     decided by float noise; the projector is scaled up so images move the output.
     """
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from kvmemo.model.loader import bundled_model_path, fingerprint_files
@@ -31,17 +36,35 @@ def build_tiny_llava(directory: Path, *, seed: int = 0, init_std: float = 0.15) 
     tokenizer.add_tokens(["<image>"], special_tokens=True)
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=7, projection_dim=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=7,
+        projection_dim=16,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        initializer_range=init_std, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
     )
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_token_id,
-                         image_seq_length=NUM_IMAGE_TOKENS, initializer_range=init_std)
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_token_id,
+        image_seq_length=NUM_IMAGE_TOKENS,
+        initializer_range=init_std,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomize so they are tested

@@ -1,5 +1,6 @@
 """/v1/chat/completions with image_url data-URL parts, in process over ASGI, on a tiny LLaVA:
-the answer equals the offline API's, a repeat is served from the prefix cache, bad images are 400."""
+the answer equals an offline engine's, a repeat is served from the prefix cache, bad images are 400.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ def served(llava):  # noqa: F811
     from kvmemo.engine.async_engine import AsyncEngine
     from kvmemo.server.app import create_app
 
-    engine = AsyncEngine(LLM(model=str(llava[0]), device="cpu", block_size=8, num_blocks=256).engine)
+    engine = AsyncEngine(
+        LLM(model=str(llava[0]), device="cpu", block_size=8, num_blocks=256).engine
+    )
     # The reference: a separate offline engine (an engine is stepped by one thread only).
-    offline = LLM(model=str(llava[0]), device="cpu", block_size=8, num_blocks=256, enable_prefix_caching=False)
+    offline = LLM(
+        model=str(llava[0]), device="cpu", block_size=8, num_blocks=256, enable_prefix_caching=False
+    )
     yield offline, create_app(engine, model_name="tiny-llava")
     engine.shutdown()
 
@@ -44,10 +49,15 @@ def _data_url(image) -> str:
 
 def _body(url: str) -> dict:
     return {
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}},
-            {"type": "text", "text": "What is in this picture?"},
-        ]}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is in this picture?"},
+                ],
+            }
+        ],
         "max_tokens": 5,
         "temperature": 0,
         "ignore_eos": True,
@@ -60,10 +70,18 @@ def test_image_url_chat_request(served) -> None:
     response = _post(app, _body(_data_url(image)))
     assert response.status_code == 200, response.text
     answer = response.json()
-    messages = [{"role": "user", "content": [
-        {"type": "image", "image": image}, {"type": "text", "text": "What is in this picture?"},
-    ]}]
-    offline = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image},
+                {"type": "text", "text": "What is in this picture?"},
+            ],
+        }
+    ]
+    offline = llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
     assert answer["choices"][0]["message"]["content"] == offline.outputs[0].text
     assert answer["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
     again = _post(app, _body(_data_url(image))).json()
@@ -74,7 +92,10 @@ def test_image_url_chat_request(served) -> None:
 @pytest.mark.parametrize(
     ("url", "match"),
     [
-        ("data:image/png;base64," + base64.b64encode(b"definitely not a png").decode(), "cannot decode"),
+        (
+            "data:image/png;base64," + base64.b64encode(b"definitely not a png").decode(),
+            "cannot decode",
+        ),
         ("data:image/png;base64,%%%", "invalid base64"),
         ("https://example.com/cat.png", "data: URL"),
         ("/etc/hostname", "data: URL"),

@@ -31,6 +31,21 @@ _PREFIXES = (
 )
 
 
+# LlamaConfig's defaults: llava-hf's LLaVA-1.5 configs list only what differs from them (their
+# text_config has no hidden_size, for one).
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
 @dataclass(frozen=True)
 class LlavaConfig:
     """What a LLaVA checkpoint's config.json says beyond its text and vision configs."""
@@ -54,6 +69,8 @@ class LlavaConfig:
             raise ValueError(f"expected model_type 'llava', got {raw.get('model_type')!r}")
         text_raw = dict(raw.get("text_config") or {})
         text_raw.setdefault("model_type", "llama")
+        if text_raw["model_type"] == "llama":
+            text_raw = {**_LLAMA_DEFAULTS, **text_raw}
         if "tie_word_embeddings" in raw:
             text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
         layer = raw.get("vision_feature_layer", -2)
@@ -83,9 +100,9 @@ class LlavaConfig:
 
 
 def canonical_key(name: str) -> str:
-    for old, new in _PREFIXES:
+    for old, new in _PREFIXES:  # in order: a 4.52 vision key needs two of the rules
         if name.startswith(old):
-            return new + name[len(old) :]
+            name = new + name[len(old) :]
     return name
 
 

@@ -149,3 +149,59 @@ def test_marker_count_must_match_images(llm_on, llm_off) -> None:
         llm_on.generate({"prompt": PROMPT, "images": [picture(1), picture(2)]}, use_tqdm=False)
     with pytest.raises(ValueError, match="'prompt' \\(required\\) and 'images'"):
         llm_on.generate({"text": PROMPT}, use_tqdm=False)
+
+
+def _relayout(state_dict: dict, style: str) -> dict:
+    """The tiny checkpoint's keys as other generations of transformers / llava-hf save them."""
+    out = {}
+    for key, value in state_dict.items():
+        if style == "llava-1.5":  # llava-hf/llava-1.5-*-hf: CLIPVisionModel under vision_tower
+            key = key.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        elif style == "transformers-4.52":  # LlavaModel nested under "model."
+            for old, new in (
+                ("language_model.model.", "model.language_model."),
+                ("language_model.lm_head.", "lm_head."),
+                ("vision_tower.", "model.vision_tower.vision_model."),
+                ("multi_modal_projector.", "model.multi_modal_projector."),
+            ):
+                if key.startswith(old):
+                    key = new + key[len(old) :]
+                    break
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("style", ["llava-1.5", "transformers-4.52"])
+def test_other_checkpoint_layouts_load_the_same(llava, llm_off, style) -> None:
+    import json
+
+    from kvmemo.model.llava import LlavaConfig, LlavaForConditionalGeneration
+    from kvmemo.model.safetensors_loader import load_state_dict
+
+    raw = json.loads((llava[0] / "config.json").read_text())
+    config = LlavaConfig.from_hf(raw)
+    state_dict = _relayout(load_state_dict(llava[0]), style)
+    model = LlavaForConditionalGeneration.from_state_dict(config, state_dict)
+    reference = llm_off.engine.runner.model
+    pixels = torch.from_numpy(preprocess(picture(41), ImageProcessorConfig.from_dir(llava[0])))
+    assert torch.equal(model.encode_images(pixels[None]), reference.encode_images(pixels[None]))
+    for name, param in reference.language_model.named_parameters():
+        assert torch.equal(param, dict(model.language_model.named_parameters())[name]), name
+
+
+def test_sparse_llava_15_config_takes_llama_defaults() -> None:
+    from kvmemo.model.llava import LlavaConfig
+
+    # llava-hf/llava-1.5-7b-hf's config.json, abridged: the text config lists only differences.
+    raw = {
+        "model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+        "text_config": {"model_type": "llama", "vocab_size": 32064, "rms_norm_eps": 1e-05,
+                        "max_position_embeddings": 4096, "architectures": ["LlamaForCausalLM"]},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024,
+                          "intermediate_size": 4096, "num_attention_heads": 16,
+                          "num_hidden_layers": 24, "image_size": 336, "patch_size": 14},
+    }
+    config = LlavaConfig.from_hf(raw)
+    assert (config.text.hidden_size, config.text.num_hidden_layers, config.text.vocab_size) == (4096, 32, 32064)
+    assert config.num_image_tokens == 576 and config.image_token_id == 32000

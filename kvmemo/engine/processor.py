@@ -17,6 +17,14 @@ _ROLES = ("system", "user", "assistant", "tool")
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
+class InputError(ValueError):
+    """Bad input in a named request field (`param`), which the server reports with its 400."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ProcessedPrompt:
     """A prompt ready for the engine: token ids with image placeholders expanded."""
@@ -56,7 +64,12 @@ class InputProcessor:
         images: list[Any] = []
         flat = [self._flatten_message(i, m, images) for i, m in enumerate(messages)]
         text, token_ids = self.encode_chat(flat)
-        return self._expand_images(token_ids, images, text)
+        try:
+            return self._expand_images(token_ids, images, text)
+        except InputError:
+            raise
+        except ValueError as e:  # an unreadable image: the client sent it in messages
+            raise InputError("messages", f"messages: {e}") from e
 
     def _flatten_message(self, index: int, message: Any, images: list[Any]) -> Any:
         """A message whose content-part list is joined into one string; images are replaced by
@@ -73,7 +86,8 @@ class InputProcessor:
                 images.append(_image_source(part, where))
                 pieces.append(self._image_marker(where))
             else:
-                raise ValueError(
+                raise InputError(
+                    "messages",
                     f"{where} must be {{'type': 'text', 'text': ...}} or an image part of type "
                     f"{list(_IMAGE_PART_TYPES)}, got {part!r:.120}"
                 )
@@ -81,7 +95,9 @@ class InputProcessor:
 
     def _image_marker(self, where: str) -> str:
         if self.image_input is None:
-            raise ValueError(f"{where}: this model does not accept images; send text parts only")
+            raise InputError(
+                "messages", f"{where}: this model does not accept images; send text parts only"
+            )
         return self.image_input.image_token
 
     def _expand_images(
@@ -144,19 +160,22 @@ class InputProcessor:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def _image_source(part: dict[str, Any], where: str) -> Any:
+def _image_source(part: dict[str, Any], where: str) -> Any:  # raises InputError
     """The image of an OpenAI image part: {"image_url": {"url": ...}} or {"image_url": "..."},
     {"type": "input_image", "image_url": "..."}, or (offline API) {"type": "image", "image": x}."""
     if part.get("type") == "image":
         if part.get("image") is None:
-            raise ValueError(f"{where}: an image part needs 'image' (a PIL image, path or bytes)")
+            raise InputError(
+                "messages", f"{where}: an image part needs 'image' (a PIL image, path or bytes)"
+            )
         return part["image"]
     value = part.get("image_url")
     if isinstance(value, dict):
         value = value.get("url")
     # Never a path or a remote URL: a server must not read its own files or fetch for a client.
     if not isinstance(value, str) or not value.startswith("data:"):
-        raise ValueError(
+        raise InputError(
+            "messages",
             f"{where}: image_url.url must be a data: URL (data:image/png;base64,...); "
             "remote URLs and paths are not fetched"
         )

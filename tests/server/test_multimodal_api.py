@@ -104,4 +104,5 @@ def test_image_url_chat_request(served) -> None:
 def test_bad_image_is_400(served, url, match) -> None:
     response = _post(served[1], _body(url))
     assert response.status_code == 400, response.text
-    assert match in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert match in error["message"] and error["param"] == "messages"

@@ -5,9 +5,9 @@
 A random LLaVA (CLIP vision tower 112 px / patch 14 -> 64 image tokens, 4 layers, 192 wide; Llama
 text model, 6 layers, 512 wide; the SmolLM2 tokenizer plus <image>) is built on the fly. Few output
 tokens, so the prompt (image) prefill dominates, as it does for real VLM requests. Workload:
-N prompts "USER: <image>\\n<question> ASSISTANT:", a fraction `hit_rate` of them repeating an earlier
-prompt's image and question, each repeat right after its original ("repeats grouped together",
-the best locality, as upstream). All N go in one generate() call (continuous batching).
+N prompts "USER: <image>\\n<question> ASSISTANT:", a fraction `hit_rate` of them repeating an
+earlier prompt's image and question, each repeat right after its original ("repeats grouped
+together", the best locality, as upstream). All N go in one generate() call (continuous batching).
 
 Modes, interleaved round by round in one process (ratios survive a loaded machine best):
 prefix caching on / off at the given hit rate, and on / off at a 0% hit rate (the overhead of
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.run_core import machine  # noqa: E402
 from kvmemo import LLM, SamplingParams  # noqa: E402
+from tests.multimodal.tiny_llava import save_random_llava  # noqa: E402
 
 QUESTIONS = [
     "What is shown in this picture?",
@@ -39,53 +40,23 @@ QUESTIONS = [
 
 
 def build_model(directory: Path) -> None:
-    import torch
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-    )
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from kvmemo.model.loader import bundled_model_path, fingerprint_files
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
-
-    gguf = Path(bundled_model_path())
-    tokenizer = load_gguf_tokenizer(gguf, fingerprint_files([gguf], gguf.parent))
-    tokenizer.add_tokens(["<image>"], special_tokens=True)
-    vision = CLIPVisionConfig(
-        hidden_size=192,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+    save_random_llava(
+        directory,
         image_size=112,
         patch_size=14,
+        vision=dict(
+            hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4
+        ),
+        text=dict(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            max_position_embeddings=2048,
+        ),
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        image_seq_length=64,
-    )
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    CLIPImageProcessorPil(
-        size={"shortest_edge": 112}, crop_size={"height": 112, "width": 112}
-    ).save_pretrained(directory)
 
 
 def workload(num_prompts: int, hit_rate: float, seed: int) -> list[dict]:
@@ -217,6 +188,7 @@ def main() -> None:
         },
         **{key: summary(key) for key in runs},
     }
+
     def paired(w: str) -> list[float]:  # off / on wall time, per round (same load moment)
         return [off["wall_s"] / on["wall_s"] for on, off in zip(runs[f"{w}_on"], runs[f"{w}_off"])]
 

@@ -140,7 +140,6 @@ class LlavaForConditionalGeneration(nn.Module):
         )
         with torch.device("meta"):
             model = cls(config, language_model)
-        model.language_model = language_model  # the meta-built copy above is replaced wholesale
         adopt_weights(
             model.vision_tower,
             model.vision_tower.hf_weight_map("vision_tower."),
@@ -148,19 +147,13 @@ class LlavaForConditionalGeneration(nn.Module):
             dtype=dtype,
             device=device,
         )
-        projector = {
-            f"{layer}.{kind}": f"multi_modal_projector.{layer}.{kind}"
-            for layer in ("linear_1", "linear_2")
-            for kind in (("weight", "bias") if config.projector_bias else ("weight",))
-        }
-        for ours, theirs in projector.items():
-            if theirs not in canonical:
-                raise ValueError(f"checkpoint lacks {theirs}")
-            layer, _, kind = ours.partition(".")
-            weight = canonical[theirs].to(device=device, dtype=dtype).contiguous()
-            if tuple(weight.shape) != tuple(getattr(getattr(model, layer), kind).shape):
-                raise ValueError(f"{theirs} has shape {tuple(weight.shape)}")
-            setattr(getattr(model, layer), kind, nn.Parameter(weight, requires_grad=False))
+        for layer in ("linear_1", "linear_2"):
+            kinds = ("weight", "bias") if config.projector_bias else ("weight",)
+            adopt_weights(
+                getattr(model, layer),
+                {kind: f"multi_modal_projector.{layer}.{kind}" for kind in kinds},
+                canonical, dtype=dtype, device=device,
+            )
         return model.eval()
 
     # ---- the language model's interface, so the runner treats both models alike ------------

@@ -15,6 +15,19 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "USER: <image>\nWhat is shown here? Answer in detail. ASSISTANT:"
 
 
+def _hf_greedy(hf, input_ids, pixel_values) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=input_ids,
+            pixel_values=pixel_values,
+            max_new_tokens=GREEDY.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, input_ids.shape[1] :].tolist()
+
+
 def _hf_inputs(llava, prompt_token_ids, images):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -63,14 +76,7 @@ def test_prompt_logits_and_greedy_tokens_match_hf(llava, llm_on, llm_off) -> Non
     input_ids, pixel_values = _hf_inputs(llava, prompt_ids, [image])
     with torch.no_grad():
         hf_logits = hf(input_ids=input_ids, pixel_values=pixel_values).logits[0, -1].float()
-        hf_tokens = hf.generate(
-            input_ids=input_ids,
-            pixel_values=pixel_values,
-            max_new_tokens=GREEDY.max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, input_ids.shape[1] :].tolist()
+    hf_tokens = _hf_greedy(hf, input_ids, pixel_values)
     top2 = hf_logits.topk(2).values
     assert top2[0] - top2[1] > 1e-3, "tiny model's top logits are too close to test greedy"
     for name, (ids, logits, tokens) in runs.items():
@@ -86,16 +92,7 @@ def test_two_images_in_one_prompt_match_hf(llava, llm_on) -> None:
     prompt = "USER: <image> first, then <image> second. Compare them. ASSISTANT:"
     out = llm_on.generate({"prompt": prompt, "images": images}, GREEDY, use_tqdm=False)[0]
     input_ids, pixel_values = _hf_inputs(llava, out.prompt_token_ids, images)
-    with torch.no_grad():
-        hf_tokens = hf.generate(
-            input_ids=input_ids,
-            pixel_values=pixel_values,
-            max_new_tokens=GREEDY.max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, input_ids.shape[1] :].tolist()
-    assert out.outputs[0].token_ids == hf_tokens
+    assert out.outputs[0].token_ids == _hf_greedy(hf, input_ids, pixel_values)
 
 
 def test_one_picture_one_hash_whatever_the_source(tmp_path, llava) -> None:
@@ -194,14 +191,32 @@ def test_sparse_llava_15_config_takes_llama_defaults() -> None:
 
     # llava-hf/llava-1.5-7b-hf's config.json, abridged: the text config lists only differences.
     raw = {
-        "model_type": "llava", "image_token_index": 32000, "projector_hidden_act": "gelu",
-        "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
-        "text_config": {"model_type": "llama", "vocab_size": 32064, "rms_norm_eps": 1e-05,
-                        "max_position_embeddings": 4096, "architectures": ["LlamaForCausalLM"]},
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024,
-                          "intermediate_size": 4096, "num_attention_heads": 16,
-                          "num_hidden_layers": 24, "image_size": 336, "patch_size": 14},
+        "model_type": "llava",
+        "image_token_index": 32000,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "text_config": {
+            "model_type": "llama",
+            "vocab_size": 32064,
+            "rms_norm_eps": 1e-05,
+            "max_position_embeddings": 4096,
+            "architectures": ["LlamaForCausalLM"],
+        },
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "image_size": 336,
+            "patch_size": 14,
+        },
     }
     config = LlavaConfig.from_hf(raw)
-    assert (config.text.hidden_size, config.text.num_hidden_layers, config.text.vocab_size) == (4096, 32, 32064)
+    assert (config.text.hidden_size, config.text.num_hidden_layers, config.text.vocab_size) == (
+        4096,
+        32,
+        32064,
+    )
     assert config.num_image_tokens == 576 and config.image_token_id == 32000

@@ -1,4 +1,4 @@
-"""Multimodal fixtures: one tiny random LLaVA checkpoint per session, and engines over it with
+"""Multimodal fixtures: engines over the session's tiny LLaVA (`llava`, tests/conftest.py) with
 prefix caching on (small step budget, so chunked prefill splits images) and off."""
 
 from __future__ import annotations
@@ -6,15 +6,6 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("PIL")
-
-
-@pytest.fixture(scope="session")
-def llava(tmp_path_factory):
-    """(checkpoint directory, the HF LlavaForConditionalGeneration it holds)."""
-    from tests.multimodal.tiny_llava import build_tiny_llava
-
-    directory = tmp_path_factory.mktemp("tiny_llava")
-    return directory, build_tiny_llava(directory)
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,11 @@ import pytest
 pytest.importorskip("PIL")
 
 from kvmemo import LLM, SamplingParams  # noqa: E402
-from tests.multimodal.conftest import llava  # noqa: E402,F401  (the session checkpoint fixture)
 from tests.multimodal.tiny_llava import picture, png_bytes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def served(llava):  # noqa: F811
+def served(llava):
     from kvmemo.engine.async_engine import AsyncEngine
     from kvmemo.server.app import create_app
 

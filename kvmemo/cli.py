@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--image", action="append", default=None, metavar="PATH",
+        help="an image file for a LLaVA-style model (repeatable); the prompt's <image> markers "
+        "place them, or they go first when it has none",
+    )
     gen.add_argument("--json", action="store_true", help="print a JSON object with text, tokens and metrics")
     _add_sampling_flags(gen)
     _add_engine_flags(gen)
@@ -98,8 +103,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     llm = LLM(args.model, **_engine_options(args))
+    images = args.image or []
     if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+        content: Any = args.prompt
+        if images:  # the images first, then the question (LLaVA's training layout)
+            content = [*({"type": "image", "image": path} for path in images), {"type": "text", "text": args.prompt}]
+        out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    elif images:
+        spec = llm.engine.processor.image_input
+        prompt = args.prompt
+        if spec is not None and spec.image_token not in prompt:
+            prompt = f"{spec.image_token}\n" * len(images) + prompt  # no markers: images first
+        out = llm.generate({"prompt": prompt, "images": images}, params, use_tqdm=False)[0]
     else:
         out = llm.generate(args.prompt, params, use_tqdm=False)[0]
     completion = out.outputs[0]

@@ -56,6 +56,7 @@ class EngineConfig:
     seed: int = 0  # seed of the sampler's default generator
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     kv_store: str | None = None  # persistent KV store, "disk:/path?capacity=20GiB"; None = off
+    encoder_cache_memory: str | int = "256MiB"  # image features by content hash (LLaVA models)
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, MODEL_DTYPES)
@@ -65,6 +66,7 @@ class EngineConfig:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
         parse_size_bytes(self.kv_cache_memory, "kv_cache_memory")
+        parse_size_bytes(self.encoder_cache_memory, "encoder_cache_memory")
         _positive("num_blocks", self.num_blocks, allow_none=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

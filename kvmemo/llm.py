@@ -13,10 +13,11 @@ from tqdm.auto import tqdm
 
 from kvmemo.config import EngineConfig
 from kvmemo.engine.engine import Engine
+from kvmemo.engine.processor import ProcessedPrompt
 from kvmemo.outputs import RequestOutput
 from kvmemo.sampling import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any] | ProcessedPrompt
 Conversation = list[dict[str, Any]]
 
 
@@ -40,11 +41,27 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or many (strings or token-id lists)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Generate for one prompt or many: strings, token-id lists, or (multimodal models)
+        {"prompt": "USER: <image>\\nWhat is this?", "images": [PIL image | path | bytes, ...]}."""
+        if (
+            isinstance(prompts, (str, dict))
+            or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        ):
             prompts = [prompts]
-        items = [(p, None) for p in prompts]
+        items = [(self._process(p) if isinstance(p, dict) else p, None) for p in prompts]
         return self._run(items, sampling_params, use_tqdm, cache_salt)
+
+    def _process(self, prompt: dict[str, Any]) -> ProcessedPrompt:
+        unknown = sorted(set(prompt) - {"prompt", "images"})
+        if unknown or "prompt" not in prompt:
+            raise ValueError(
+                "a dict prompt takes the keys 'prompt' (required) and 'images'; "
+                f"got {sorted(prompt)}"
+            )
+        images = prompt.get("images") or []
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        return self.engine.processor.process(prompt["prompt"], list(images))
 
     def chat(
         self,
@@ -54,13 +71,18 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of {'role', 'content'} dicts) or a list of them."""
+        """Answer one conversation (a list of {'role', 'content'} dicts) or a list of them.
+
+        A content may be a list of OpenAI parts: {"type": "text", "text": ...} and, for
+        multimodal models, {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
+        or {"type": "image", "image": PIL image | path | bytes}.
+        """
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
         items = []
         for conversation in messages:
-            text, token_ids = self.engine.processor.encode_chat(conversation)
-            items.append((token_ids, text))
+            processed = self.engine.processor.process_chat(conversation)
+            items.append((processed, processed.text))
         return self._run(items, sampling_params, use_tqdm, cache_salt)
 
     def get_metrics(self) -> dict[str, float | int]:

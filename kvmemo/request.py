@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 import time
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmemo.sampling import SamplingParams
 
@@ -24,6 +26,26 @@ class MultiModalItem:
     offset: int  # index of the item's first placeholder token in the prompt
     length: int  # number of placeholder tokens
     content_hash: bytes  # sha256 over the processed content and processor settings
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def overlapping_items(items: Sequence[MultiModalItem], start: int, end: int) -> range:
+    """Indices of the items (sorted by offset, non-overlapping) whose range meets [start, end).
+
+    A bisect on the item ends: O(log items), whatever the prompt length.
+    """
+    first = bisect_right(items, start, key=_item_end)  # first item ending after `start`
+    last = first
+    while last < len(items) and items[last].offset < end:
+        last += 1
+    return range(first, last)
+
+
+def _item_end(item: MultiModalItem) -> int:
+    return item.offset + item.length
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +80,9 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     mm_items: list[MultiModalItem] = field(default_factory=list)
+    # What the encoder needs for each item (processed pixel arrays), parallel to mm_items;
+    # opaque here, so this module and kv/ stay free of torch.
+    mm_data: list[Any] = field(default_factory=list)
     lora_name: str | None = None
     cache_salt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()

@@ -37,3 +37,13 @@ def llm():
 
     return LLM(num_blocks=512)
 
+
+
+@pytest.fixture(scope="session")
+def llava(tmp_path_factory):
+    """A tiny random LLaVA checkpoint: (its directory, the HF LlavaForConditionalGeneration)."""
+    pytest.importorskip("PIL")
+    from tests.multimodal.tiny_llava import build_tiny_llava
+
+    directory = tmp_path_factory.mktemp("tiny_llava")
+    return directory, build_tiny_llava(directory)

@@ -272,10 +272,18 @@ class AsyncEngine:
                 f"waiting (limit {self.max_waiting}); retry later"
             )
         processor = self.engine.processor
-        if command.messages is not None:
+        prompt: Any
+        if command.messages is not None and any(
+            isinstance(m.get("content"), list) for m in command.messages
+        ):
+            prompt = processor.process_chat(command.messages)  # content parts with images
+            text, token_ids = prompt.text, prompt.token_ids
+        elif command.messages is not None:
             text, token_ids = processor.encode_chat(command.messages)
+            prompt = token_ids
         else:
             text, token_ids = None, processor.encode_prompt(command.prompt)
+            prompt = token_ids
             if isinstance(command.prompt, str):
                 text = command.prompt
         if command.fill_context:
@@ -290,7 +298,7 @@ class AsyncEngine:
                     params, n=1, seed=None if params.seed is None else params.seed + j
                 )
                 self.engine.add_request(
-                    token_ids,
+                    prompt,
                     child,
                     request_id=sequence_id,
                     cache_salt=command.cache_salt,

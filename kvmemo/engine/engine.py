@@ -18,11 +18,12 @@ import torch
 
 from kvmemo.attention.cache import PagedKVCache, describe_kv_bytes, kv_bytes_per_token, resolve_kv_dtype
 from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
-from kvmemo.config import EngineConfig
+from kvmemo.config import EngineConfig, parse_size_bytes
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
+from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.model_runner import ModelRunner
-from kvmemo.engine.processor import InputProcessor
+from kvmemo.engine.processor import InputProcessor, ProcessedPrompt
 from kvmemo.engine.sampler import Sampler
 from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
 from kvmemo.kv.events import KVEvent
@@ -69,7 +70,9 @@ class Engine:
         self.loaded = loaded
         arch = loaded.arch_config
         self.tokenizer = loaded.tokenizer
-        self.processor = InputProcessor(loaded.tokenizer, arch.vocab_size, loaded.chat_template)
+        self.processor = InputProcessor(
+            loaded.tokenizer, arch.vocab_size, loaded.chat_template, loaded.image_input
+        )
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         self.eos_token_ids = frozenset(arch.eos_token_ids)
 
@@ -136,6 +139,11 @@ class Engine:
             scale=arch.head_dim**-0.5,
             device=self.device,
             kv_connector=self.kv_connector,
+            encoder_cache=(
+                EncoderCache(parse_size_bytes(config.encoder_cache_memory, "encoder_cache_memory"))
+                if loaded.image_input is not None
+                else None
+            ),
         )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
@@ -147,30 +155,35 @@ class Engine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedPrompt,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
         prompt_text: str | None = None,
     ) -> str:
-        """Tokenize, validate and queue one sequence. Returns its request id."""
+        """Tokenize, validate and queue one sequence. Returns its request id.
+
+        A ProcessedPrompt (from self.processor.process / process_chat) carries images.
+        """
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        token_ids = self.processor.encode_prompt(prompt)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=processed.token_ids,
             sampling_params=params,
+            mm_items=list(processed.mm_items),
+            mm_data=list(processed.mm_data),
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
         )
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
-            prompt=prompt if isinstance(prompt, str) else prompt_text,
+            prompt=prompt if isinstance(prompt, str) else (prompt_text or processed.text),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -256,6 +269,18 @@ class Engine:
             "prefix_cache_evicted_blocks": stats.num_evicted_blocks,
             "prefix_cache_stored_blocks": stats.num_stored_blocks,
             **self._store_metrics(),
+            **self._encoder_metrics(),
+        }
+
+    def _encoder_metrics(self) -> dict[str, float | int]:
+        cache = self.runner.encoder_cache
+        if cache is None:
+            return {}
+        return {
+            "mm_encoder_images": cache.stats.num_encoded_images,
+            "mm_encoder_calls": cache.stats.num_encoder_calls,
+            "mm_encoder_cache_hits": cache.stats.num_hits,
+            "mm_encoder_cache_bytes": cache.total_bytes,
         }
 
     def _store_metrics(self) -> dict[str, float | int]:

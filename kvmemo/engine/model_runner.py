@@ -1,23 +1,25 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass over the paged cache, then samples.
 
-Invariant: block copies, then KV store loads, run before the forward; each layer writes the
-step's K/V into its pages before attention reads them; logits are computed only for positions
-that sample.
+Invariant: block copies, then KV store loads, run before the forward; image features replace
+exactly the placeholder rows the step computes; each layer writes the step's K/V into its pages
+before attention reads them; logits are computed only for positions that sample.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvmemo.attention.backend import AttentionBackend, select_attention_backend
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
-from kvmemo.engine.scheduler_output import SchedulerOutput
+from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector
@@ -42,6 +44,7 @@ class ModelRunner:
         device: torch.device,
         attention_backend: AttentionBackend | None = None,
         kv_connector: KVConnector | None = None,
+        encoder_cache: EncoderCache | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -52,6 +55,7 @@ class ModelRunner:
         self.kv_connector = kv_connector  # worker side: loads store blocks into the pages
         if kv_connector is not None:
             kv_connector.register_kv_caches(kv_cache)
+        self.encoder_cache = encoder_cache  # image features by content hash (multimodal models)
         # Debug hook for tests: keep the last step's sampling logits.
         self.capture_logits = False
         self.last_logits: torch.Tensor | None = None
@@ -79,10 +83,12 @@ class ModelRunner:
             request_ids=[s.request_id for s in seqs],
             device=self.device,
         )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            ids,
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self._attention_fn(metadata),
+            **self._multimodal_embeds(seqs, ids, metadata),
         )  # [T, hidden]
         sampling = [i for i, s in enumerate(seqs) if s.needs_sample]
         if not sampling:
@@ -97,6 +103,48 @@ class ModelRunner:
             [seqs[i].num_output_tokens for i in sampling],
         )
         return ModelRunnerOutput(sampled={seqs[i].request_id: t for i, t in zip(sampling, tokens)})
+
+    def _multimodal_embeds(
+        self, seqs: list[ScheduledSequence], ids: torch.Tensor, metadata: AttentionMetadata
+    ) -> dict[str, torch.Tensor]:
+        """{"inputs_embeds": [T, hidden]} with image features in the placeholder rows this step
+        computes, or {} for a text-only step. Encodes, in one batch, the images not cached."""
+        if not any(seq.mm_inputs for seq in seqs):
+            return {}
+        cache = self.encoder_cache
+        assert cache is not None, "image inputs reached a runner without an encoder cache"
+        features: dict[bytes, torch.Tensor] = {}  # held for this step even if the cache evicts
+        to_encode: dict[bytes, Any] = {}
+        for seq in seqs:
+            for item, pixels in seq.mm_inputs:
+                key = item.content_hash
+                if key in features or key in to_encode:
+                    continue
+                cached = cache.get(key)
+                if cached is not None:
+                    features[key] = cached
+                else:
+                    to_encode[key] = pixels
+        if to_encode:
+            pixel_values = torch.from_numpy(np.stack(list(to_encode.values())))  # [N, 3, S, S]
+            pixel_values = pixel_values.to(self.device)
+            encoded = self.model.encode_images(pixel_values)  # [N, num_image_tokens, hidden]
+            cache.stats.num_encoder_calls += 1
+            cache.stats.num_encoded_images += len(to_encode)
+            for key, rows in zip(to_encode, encoded):
+                features[key] = rows
+                cache.put(key, rows)
+        embeds = self.model.embed_tokens(ids)  # [T, hidden]
+        for index, seq in enumerate(seqs):
+            chunk_start = seq.num_computed_tokens
+            chunk_end = chunk_start + len(seq.token_ids)
+            row0 = metadata.query_start_loc[index] - chunk_start  # batch row of position 0
+            for item, _ in seq.mm_inputs:
+                lo, hi = max(chunk_start, item.offset), min(chunk_end, item.end)
+                # Chunked prefill may cover only part of an image: copy just the rows it computes.
+                rows = features[item.content_hash][lo - item.offset : hi - item.offset]
+                embeds[row0 + lo : row0 + hi] = rows
+        return {"inputs_embeds": embeds}
 
     def _attention_fn(self, metadata: AttentionMetadata):
         backend, kv_cache = self.attention_backend, self.kv_cache

@@ -1,23 +1,136 @@
-"""InputProcessor: user prompts and chat messages -> validated prompt token ids.
+"""InputProcessor: user prompts, chat messages and images -> validated prompt token ids.
 
-Invariant: every token id it returns is in [0, vocab_size); bad input raises ValueError naming
-what was wrong and what is allowed.
+Invariant: every token id it returns is in [0, vocab_size); each image becomes the model's
+number of placeholder tokens where its marker stood, recorded as a MultiModalItem whose content
+hash is taken after preprocessing; bad input raises ValueError naming what was wrong and what is
+allowed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvmemo.request import MultiModalItem
+
 _ROLES = ("system", "user", "assistant", "tool")
+_IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+class InputError(ValueError):
+    """Bad input in a named request field (`param`), which the server reports with its 400."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt ready for the engine: token ids with image placeholders expanded."""
+
+    token_ids: list[int]
+    text: str | None = None  # the prompt as text, when there was one (for RequestOutput.prompt)
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # sorted by offset
+    mm_data: list[Any] = field(default_factory=list)  # pixel arrays [3, S, S], parallel to mm_items
 
 
 class InputProcessor:
-    """Owns the tokenizer and the chat template."""
+    """Owns the tokenizer, the chat template and (for multimodal models) the image spec."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        chat_template: str | None = None,
+        image_input: Any | None = None,  # an ImageInputSpec for models that take images
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.chat_template = chat_template
+        self.image_input = image_input
+
+    def process(self, prompt: str | list[int], images: list[Any] | None = None) -> ProcessedPrompt:
+        """Tokenize `prompt`; with images, each image marker (e.g. "<image>") becomes the image's
+        placeholder tokens. A token-id prompt marks images with the image token id, unexpanded."""
+        token_ids = self.encode_prompt(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        return self._expand_images(token_ids, list(images or ()), text)
+
+    def process_chat(self, messages: list[dict[str, Any]]) -> ProcessedPrompt:
+        """Render a conversation whose contents may be OpenAI content-part lists with images."""
+        if not isinstance(messages, list) or not messages:
+            validate_messages(messages)
+        images: list[Any] = []
+        flat = [self._flatten_message(i, m, images) for i, m in enumerate(messages)]
+        text, token_ids = self.encode_chat(flat)
+        try:
+            return self._expand_images(token_ids, images, text)
+        except InputError:
+            raise
+        except ValueError as e:  # an unreadable image: the client sent it in messages
+            raise InputError("messages", f"messages: {e}") from e
+
+    def _flatten_message(self, index: int, message: Any, images: list[Any]) -> Any:
+        """A message whose content-part list is joined into one string; images are replaced by
+        the model's image marker and collected, in order, into `images`."""
+        if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+            return message
+        pieces = []
+        for j, part in enumerate(message["content"]):
+            where = f"messages[{index}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+            elif kind in _IMAGE_PART_TYPES:
+                images.append(_image_source(part, where))
+                pieces.append(self._image_marker(where))
+            else:
+                raise InputError(
+                    "messages",
+                    f"{where} must be {{'type': 'text', 'text': ...}} or an image part of type "
+                    f"{list(_IMAGE_PART_TYPES)}, got {part!r:.120}"
+                )
+        return {**message, "content": "\n".join(pieces)}
+
+    def _image_marker(self, where: str) -> str:
+        if self.image_input is None:
+            raise InputError(
+                "messages", f"{where}: this model does not accept images; send text parts only"
+            )
+        return self.image_input.image_token
+
+    def _expand_images(
+        self, token_ids: list[int], images: list[Any], text: str | None
+    ) -> ProcessedPrompt:
+        spec = self.image_input
+        if spec is None:
+            if images:
+                raise ValueError("images: this model does not accept images")
+            return ProcessedPrompt(token_ids, text)
+        from kvmemo.model.image_processor import content_hash, load_image, preprocess
+
+        num_markers = token_ids.count(spec.image_token_id)
+        if num_markers != len(images):
+            raise ValueError(
+                f"images: the prompt has {num_markers} image marker(s) {spec.image_token!r} but "
+                f"{len(images)} image(s) were given; put one marker where each image goes"
+            )
+        if not images:
+            return ProcessedPrompt(token_ids, text)
+        expanded: list[int] = []
+        items: list[MultiModalItem] = []
+        data: list[Any] = []
+        for token in token_ids:
+            if token != spec.image_token_id:
+                expanded.append(token)
+                continue
+            pixels = preprocess(load_image(images[len(items)]), spec.processor)  # [3, S, S]
+            digest = content_hash(pixels, spec.processor)
+            items.append(MultiModalItem(len(expanded), spec.num_image_tokens, digest))
+            data.append(pixels)
+            expanded.extend([spec.image_token_id] * spec.num_image_tokens)
+        return ProcessedPrompt(expanded, text, items, data)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -45,6 +158,28 @@ class InputProcessor:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _image_source(part: dict[str, Any], where: str) -> Any:  # raises InputError
+    """The image of an OpenAI image part: {"image_url": {"url": ...}} or {"image_url": "..."},
+    {"type": "input_image", "image_url": "..."}, or (offline API) {"type": "image", "image": x}."""
+    if part.get("type") == "image":
+        if part.get("image") is None:
+            raise InputError(
+                "messages", f"{where}: an image part needs 'image' (a PIL image, path or bytes)"
+            )
+        return part["image"]
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    # Never a path or a remote URL: a server must not read its own files or fetch for a client.
+    if not isinstance(value, str) or not value.startswith("data:"):
+        raise InputError(
+            "messages",
+            f"{where}: image_url.url must be a data: URL (data:image/png;base64,...); "
+            "remote URLs and paths are not fetched"
+        )
+    return value
 
 
 def validate_messages(messages: Any) -> None:

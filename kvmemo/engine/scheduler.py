@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvmemo.kv.hashing import BlockHash, RequestHasher
 from kvmemo.kv.manager import KVCacheManager
-from kvmemo.request import Request, RequestStatus
+from kvmemo.request import Request, RequestStatus, overlapping_items
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector
@@ -151,6 +151,7 @@ class Scheduler:
                 needs_sample=r.num_computed_tokens + n == r.num_tokens,
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
+                mm_inputs=_mm_inputs(r, r.num_computed_tokens, r.num_computed_tokens + n),
             )
             for r, n in scheduled
         ]
@@ -262,3 +263,12 @@ class Scheduler:
             self.running.remove(request)
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
+
+
+def _mm_inputs(request: Request, start: int, end: int) -> tuple:
+    """(item, encoder input) of each image whose placeholders meet [start, end): only those need
+    features this step, so an image whose blocks were all cache hits is never encoded."""
+    if not request.mm_items or start >= request.num_prompt_tokens:
+        return ()
+    items = request.mm_items
+    return tuple((items[i], request.mm_data[i]) for i in overlapping_items(items, start, end))

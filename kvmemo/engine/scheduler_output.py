@@ -7,12 +7,13 @@ tokens, and block_copies run (in order), then the connector's loads, before the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmemo.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import ConnectorMetadata
+    from kvmemo.request import MultiModalItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,9 @@ class ScheduledSequence:
     needs_sample: bool  # the chunk reaches the sequence's end, so its last position samples
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far (the sampler's per-request step index)
+    # Images whose placeholder range meets this chunk, with their encoder inputs (pixel arrays):
+    # the runner writes the features of the covered positions into the chunk's embeddings.
+    mm_inputs: tuple[tuple[MultiModalItem, Any], ...] = ()
 
 
 @dataclass(frozen=True)

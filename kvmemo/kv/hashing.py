@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NewType, Union
+
+from kvmemo.request import overlapping_items
 
 if TYPE_CHECKING:
     from kvmemo.request import MultiModalItem, Request
@@ -108,10 +109,6 @@ def hash_block(
     return _digest(bytes(out), algorithm)
 
 
-def _item_end(item: MultiModalItem) -> int:
-    return item.offset + item.length
-
-
 def extra_keys_for_range(request: Request, start: int, end: int) -> ExtraKeys:
     """Extra keys of the token range [start, end) of `request`, in the order DESIGN.md fixes.
 
@@ -123,10 +120,8 @@ def extra_keys_for_range(request: Request, start: int, end: int) -> ExtraKeys:
     keys: list[ExtraKey] = []
     items = request.mm_items
     if items:
-        i = bisect_right(items, start, key=_item_end)  # first item ending after `start`
-        while i < len(items) and items[i].offset < end:
+        for i in overlapping_items(items, start, end):
             keys.append((items[i].content_hash, start - items[i].offset))
-            i += 1
     if request.lora_name is not None:
         keys.append(("lora", request.lora_name))
     if start == 0 and request.cache_salt is not None:

@@ -1,4 +1,5 @@
-"""Llama-family model: GGUF/safetensors loading, layers, and a KV-cache-agnostic forward.
+"""Llama-family model (and LLaVA: CLIP vision tower + projector around it): GGUF/safetensors
+loading, layers, image preprocessing, and a KV-cache-agnostic forward.
 
 Never imports engine/, kv/ or attention/: attention arrives as a callable (llama.AttentionFn).
 """

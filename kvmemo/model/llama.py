@@ -112,15 +112,23 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids [T], positions [T] (any values) -> final-normed hidden states [T, hidden]."""
+        """input_ids [T], positions [T] (any values) -> final-normed hidden states [T, hidden].
+
+        inputs_embeds [T, hidden], when given, replaces the token embeddings (a multimodal model
+        has written image features into its placeholder rows); input_ids is then unused.
+        """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # each [T, 1, D/2]
         for layer_idx, layer in enumerate(self.layers):
             hidden = layer(layer_idx, hidden, cos, sin, attention)

@@ -1,4 +1,5 @@
-"""load_model(): a GGUF file or HF directory -> model + tokenizer + a stable weights fingerprint.
+"""load_model(): a GGUF file or HF directory (Llama family, or LLaVA) -> model + tokenizer + a
+stable weights fingerprint.
 
 Never touches the network (tokenizers load with local_files_only). The fingerprint is a sha256
 over the weight files' bytes, so equal weights give equal digests on every machine.
@@ -18,8 +19,16 @@ import torch
 
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.gguf import load_gguf
+from kvmemo.model.image_processor import ImageInputSpec, ImageProcessorConfig
 from kvmemo.model.llama import LlamaForCausalLM
-from kvmemo.model.safetensors_loader import load_safetensors_dir, safetensors_files
+from kvmemo.model.llava import LlavaConfig, LlavaForConditionalGeneration
+from kvmemo.model.safetensors_loader import (
+    load_safetensors_dir,
+    load_state_dict,
+    merge_generation_eos,
+    read_raw_config,
+    safetensors_files,
+)
 from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,12 +42,13 @@ _HASH_CHUNK_BYTES = 8 << 20
 class LoadedModel:
     """Everything the engine needs from a checkpoint."""
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | LlavaForConditionalGeneration
     arch_config: ModelArchConfig
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     weights_fingerprint: str  # sha256 hex of the weight bytes; roots the prefix-cache namespace
     path: str  # the resolved .gguf file or HF directory
     chat_template: str | None  # Jinja template from the checkpoint, if it ships one
+    image_input: ImageInputSpec | None = None  # set for models that take images (LLaVA)
 
 
 def bundled_model_path() -> str:
@@ -85,6 +95,8 @@ def load_model(
 
     from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 
+    image_input: ImageInputSpec | None = None
+
     if resolved.is_file():
         if resolved.suffix != ".gguf":
             raise ValueError(
@@ -97,12 +109,22 @@ def load_model(
         tokenizer = load_gguf_tokenizer(resolved, fingerprint)
     else:
         files = safetensors_files(resolved)
-        state_dict, arch_config = load_safetensors_dir(resolved)
-        fingerprint = fingerprint_files([resolved / "config.json", *files], resolved)
+        fingerprint_extra = []
         tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
         chat_template = getattr(tokenizer, "chat_template", None)
+        if read_raw_config(resolved).get("model_type") == "llava":
+            model, image_input = _load_llava(resolved, tokenizer, dtype, device)
+            arch_config = model.config.text
+            # The preprocessing changes what an image's KV is, so it joins the fingerprint.
+            fingerprint_extra = [p for p in [resolved / "preprocessor_config.json"] if p.is_file()]
+        else:
+            state_dict, arch_config = load_safetensors_dir(resolved)
+        fingerprint = fingerprint_files(
+            [resolved / "config.json", *fingerprint_extra, *files], resolved
+        )
 
-    model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)
+    if image_input is None:
+        model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)
     logger.info(
         "loaded %s (%s, %.1fM params, %s) in %.2f s",
         resolved,
@@ -118,4 +140,34 @@ def load_model(
         weights_fingerprint=fingerprint,
         path=str(resolved),
         chat_template=chat_template,
+        image_input=image_input,
     )
+
+
+def _load_llava(
+    directory: Path, tokenizer: Any, dtype: torch.dtype, device: str
+) -> tuple[LlavaForConditionalGeneration, ImageInputSpec]:
+    """A LLaVA checkpoint (config.json model_type "llava") and how it takes images."""
+    raw = read_raw_config(directory)
+    text = dict(raw.get("text_config") or {})
+    raw = {**raw, "text_config": merge_generation_eos(directory, text)}
+    config = LlavaConfig.from_hf(raw)
+    model = LlavaForConditionalGeneration.from_state_dict(
+        config, load_state_dict(directory), dtype=dtype, device=device
+    )
+    processor = ImageProcessorConfig.from_dir(directory)
+    size = config.vision.image_size
+    crop = (processor.crop_height, processor.crop_width)
+    if crop != (size, size) or not processor.do_center_crop:
+        raise ValueError(
+            f"preprocessor_config.json must center-crop to the vision tower's {size}x{size} input, "
+            f"got crop {processor.crop_height}x{processor.crop_width}"
+        )
+    image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
+    round_trip = None
+    if isinstance(image_token, str):
+        round_trip = tokenizer.convert_tokens_to_ids(image_token)
+    if round_trip != config.image_token_id:
+        raise ValueError(f"the tokenizer has no token for image_token_id {config.image_token_id}")
+    spec = ImageInputSpec(image_token, config.image_token_id, config.num_image_tokens, processor)
+    return model, spec

@@ -33,16 +33,23 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 def read_hf_config(directory: str | os.PathLike[str]) -> tuple[ModelArchConfig, dict]:
     """ModelArchConfig from config.json, with extra eos ids from generation_config.json if any."""
-    root = Path(directory)
-    raw = json.loads((root / "config.json").read_text())
-    gen_path = root / "generation_config.json"
+    raw = read_raw_config(directory)
+    return ModelArchConfig.from_hf_config(merge_generation_eos(directory, raw)), raw
+
+
+def read_raw_config(directory: str | os.PathLike[str]) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
+
+
+def merge_generation_eos(directory: str | os.PathLike[str], raw: dict) -> dict:
+    """`raw` with generation_config.json's eos ids appended to its eos_token_id, if any."""
+    gen_path = Path(directory) / "generation_config.json"
     if gen_path.is_file():
         gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if gen_eos is not None:
-            config_eos = raw.get("eos_token_id")
-            merged = _as_list(config_eos) + _as_list(gen_eos)
+            merged = _as_list(raw.get("eos_token_id")) + _as_list(gen_eos)
             raw = {**raw, "eos_token_id": list(dict.fromkeys(merged))}
-    return ModelArchConfig.from_hf_config(raw), raw
+    return raw
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:
@@ -53,8 +60,14 @@ def load_safetensors_dir(
     directory: str | os.PathLike[str],
 ) -> tuple[dict[str, torch.Tensor], ModelArchConfig]:
     """Load every shard into one dict (tensors keep their stored dtype; load_weights casts)."""
-    files = safetensors_files(directory)
+    safetensors_files(directory)  # a clear error for a directory without config or weights
     arch_config, _ = read_hf_config(directory)
+    return load_state_dict(directory), arch_config
+
+
+def load_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every shard of an HF directory in one dict, keys as stored; a key in two shards is an error."""
+    files = safetensors_files(directory)
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
         shard = load_file(str(file), device="cpu")
@@ -62,4 +75,4 @@ def load_safetensors_dir(
         if duplicated:
             raise ValueError(f"tensor(s) {sorted(duplicated)[:4]} appear in more than one shard")
         state_dict.update(shard)
-    return state_dict, arch_config
+    return state_dict

@@ -367,12 +367,17 @@ class _Server:
             content = message.content
             if isinstance(content, list):
                 if any(isinstance(part, ImagePart) for part in content):
-                    raise UnsupportedFieldError(
-                        "messages",
-                        f"messages[{i}].content: this model does not accept images; "
-                        "send text parts only",
-                    )
-                content = "\n".join(part.text for part in content)
+                    # The processor loads the images (data: URLs only) and places them; a
+                    # text-only model or a bad image is a ValueError, so a 400.
+                    content = [part.model_dump() for part in content]
+                    if any(part["type"] == "image" for part in content):
+                        raise UnsupportedFieldError(
+                            "messages",
+                            f"messages[{i}].content: send images as image_url parts with a "
+                            "data: URL",
+                        )
+                else:
+                    content = "\n".join(part.text for part in content)
             # The template knows system, not OpenAI's newer "developer" name for it.
             role = "system" if message.role == "developer" else message.role
             messages.append({"role": role, "content": content or ""})

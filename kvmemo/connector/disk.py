@@ -16,6 +16,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -201,6 +202,15 @@ class DiskStore:
             self._index.move_to_end(key)
         self._count(num_hits=1, bytes_read=len(payload))
         return payload
+
+    def get_many(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """get() of each hash, in order; stops reading at the first miss (a prefix's chain is
+        broken there), the rest are None."""
+        out: list[bytes | None] = []
+        for block_hash in block_hashes:
+            payload = self.get(block_hash) if not out or out[-1] is not None else None
+            out.append(payload)
+        return out
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

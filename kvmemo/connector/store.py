@@ -10,6 +10,7 @@ import hashlib
 import logging
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +50,11 @@ class BlockStore(Protocol):
 
     def get(self, block_hash: BlockHash) -> bytes | None: ...
 
+    def get_many(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """get() of each hash, in order (a remote store does it in one round trip); optional,
+        see get_many() below."""
+        ...
+
     def put(self, block_hash: BlockHash, payload: bytes) -> None: ...
 
     def contains(self, block_hash: BlockHash) -> bool: ...
@@ -57,6 +63,14 @@ class BlockStore(Protocol):
 
     @property
     def stats(self) -> StoreStats: ...
+
+
+def get_many(store: BlockStore, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+    """store.get_many(block_hashes), or a get() per hash for a store that has no get_many."""
+    batched = getattr(store, "get_many", None)
+    if batched is not None:
+        return batched(block_hashes)
+    return [store.get(h) for h in block_hashes]
 
 
 _UNSAFE = re.compile(r"[^a-z0-9._-]+")

@@ -26,7 +26,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--no-partial-reuse", action="store_true", help="do not copy partially filled matching blocks")
-    g.add_argument("--kv-store", default=None, help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB (default: off)")
+    g.add_argument("--kv-store", action="append", default=None, help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB or redis://host:6379/0?timeout=0.5; repeat it for tiers, looked up in the order given and saved to all (default: off)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 

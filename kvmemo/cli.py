@@ -89,7 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting sequences before 503 (default: 256)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's stem)")
+    serve.add_argument("--kv-events-endpoint", default=None, help="publish KV events (ZeroMQ PUB, msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557, for `kvmemo router` (default: off)")
     _add_engine_flags(serve)
+    router = sub.add_parser("router", help="route OpenAI requests to the replica holding the longest cached prefix (needs the `scale` extra)")
+    router.add_argument("--replica", action="append", required=True, help="a `kvmemo serve` replica's URL, e.g. http://10.0.0.2:8000 (repeat per replica)")
+    router.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    router.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    router.add_argument("--model", default=None, help="the replicas' model (.gguf or HF directory), for its tokenizer only (default: bundled SmolLM2)")
+    router.add_argument("--policy", default="prefix", help="prefix (longest cached prefix, else least loaded) or round_robin (default: prefix)")
+    router.add_argument("--balance-threshold", type=int, default=4, help="send a prefix hit elsewhere when its replica has this many more requests in flight than the least loaded (default: 4)")
+    router.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (default: 1)")
+    router.add_argument("-v", "--verbose", action="store_true", help="log routing details to stderr")
     return parser
 
 
@@ -165,6 +175,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         engine_options=_engine_options(args),
+        kv_events_endpoint=args.kv_events_endpoint,
+    )
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from kvmemo.server.router import run_router
+
+    logging.getLogger("kvmemo.server").setLevel(logging.INFO)
+    run_router(
+        args.replica,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        balance_threshold=args.balance_threshold,
+        health_interval_s=args.health_interval,
     )
     return 0
 
@@ -181,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "serve":
             return _cmd_serve(args)
+        if args.command == "router":
+            return _cmd_router(args)
         return _cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

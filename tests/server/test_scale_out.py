@@ -84,11 +84,11 @@ def _wait_for_saves(
 
 def test_a_prompt_served_by_a_is_served_by_b_from_redis(cluster):
     redis_server, (a, b), _ = cluster
-    prompt = _prompt(200)
+    prompt = _prompt(120)
     keys_before = redis_server.client().dbsize()
     first = _complete(a, prompt, max_tokens=24).json()
     prompt_tokens = first["usage"]["prompt_tokens"]
-    assert prompt_tokens > 20 * BLOCK_SIZE
+    assert prompt_tokens > 10 * BLOCK_SIZE
     _wait_for_saves(redis_server, keys_before, prompt_tokens // BLOCK_SIZE)
 
     hits_before, served_before = _metric(b, "kvmemo_store_hit_tokens"), _redis_hits(b)
@@ -102,7 +102,7 @@ def test_a_prompt_served_by_a_is_served_by_b_from_redis(cluster):
 def test_router_sends_a_repeated_prefix_to_its_holder_and_spreads_cold_prompts(cluster):
     _, replicas, router = cluster
     by_url = {r.base_url: r for r in replicas}
-    shared = _prompt(160)
+    shared = _prompt(120)
     holder_url = _complete(router, shared).headers[REPLICA]
     holder = by_url[holder_url]
     # The router learns the holder's blocks from its KV events.
@@ -114,16 +114,51 @@ def test_router_sends_a_repeated_prefix_to_its_holder_and_spreads_cold_prompts(c
                 break
             assert time.monotonic() < deadline, state
             time.sleep(0.1)
-    for i in range(3):
+    for i in range(2):
         hits_before = _metric(holder, "kvmemo_prefix_cache_hit_tokens")
         response = _complete(router, f"{shared} Question {i}: what is item {i}?")
         assert response.headers[REPLICA] == holder_url
         assert _metric(holder, "kvmemo_prefix_cache_hit_tokens") - hits_before >= 10 * BLOCK_SIZE
     routed = router.metrics()
-    assert routed[f"kvmemo_router_requests_total{{reason=prefix,replica={holder_url}}}"] >= 3
+    assert routed[f"kvmemo_router_requests_total{{reason=prefix,replica={holder_url}}}"] >= 2
 
-    cold = [_complete(router, _prompt(40), max_tokens=4).headers[REPLICA] for _ in range(4)]
+    cold = [_complete(router, _prompt(24), max_tokens=2).headers[REPLICA] for _ in range(4)]
     assert set(cold) == set(by_url), cold
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_router_hashes_prompts_exactly_like_the_replica(cluster, kind):
+    """The router's PromptHasher (tokenizer only + /kv/info) against the replica's own block map."""
+    from kvmemo.kv.hashing import BlockHash
+    from kvmemo.server.prompt_hasher import PromptHasher, load_tokenizer
+
+    _, (a, _), _ = cluster
+    text = _prompt(60)
+    if kind == "chat":
+        path, body = "/v1/chat/completions", {
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": text}]},
+            ],
+            "max_tokens": 2,
+            "temperature": 0,
+        }
+    else:
+        path, body = "/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0}
+    with a.http() as client:
+        assert client.post(path, json=body).status_code == 200
+        info = client.get("/kv/info").json()
+        held = {bytes.fromhex(h) for h in client.get("/kv/blocks").json()["block_hashes"]}
+    tokenizer, template, fingerprint = load_tokenizer(None)
+    assert fingerprint == info["weights_fingerprint"]
+    hasher = PromptHasher(
+        tokenizer, template, BlockHash(bytes.fromhex(info["namespace_root"])),
+        info["block_size"], info["hash_algorithm"],
+    )
+    hashes = hasher.block_hashes(path, body)
+    assert len(hashes) >= 5 and set(hashes) <= held
+    salted = hasher.block_hashes(path, {**body, "cache_salt": "tenant"})
+    assert not set(salted) & held  # a salt changes every block of the chain
 
 
 def test_router_streams_through(cluster):

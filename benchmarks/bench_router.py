@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import socket
 import subprocess
 import sys
@@ -157,6 +158,9 @@ def main() -> None:
                         system_prompt(tags[i % num_prefixes], args.system_tokens) + question(i)
                         for i in range(args.num_questions)
                     ]
+                    # Arrival order independent of the prefix (a fixed seed: both policies see
+                    # the same order), so round robin cannot line up with the prefixes by luck.
+                    random.Random(rep).shuffle(prompts)
                     result = run_once(routers[policy], replicas, prompts, args)
                     print(f"{num_prefixes} prefix(es), {policy}: {result}", flush=True)
                     runs[policy].append(result)

@@ -215,6 +215,9 @@ class Router:
             replica = self.replicas[index]
             upstream = self.client.build_request("POST", f"{replica.url}{path}", content=raw,
                                                  headers=headers)
+            # Predicted now, not when the response starts (a non-streamed one starts when it is
+            # done): the burst of requests behind this one must follow it to this replica.
+            replica.index.note_routed(hashes)
             replica.in_flight += 1
             try:
                 response = await self.client.send(upstream, stream=True)
@@ -225,8 +228,6 @@ class Router:
                 self.metrics.retries.inc()
                 tried.add(index)
                 continue
-            if response.status_code == 200:
-                replica.index.note_routed(hashes)
             return StreamingResponse(
                 self._relay(replica, response),
                 status_code=response.status_code,

@@ -205,3 +205,21 @@ def test_redis_killed_mid_run_means_misses_then_recovery(cluster):
                 break
         assert time.monotonic() < deadline, "the replicas never recovered their Redis tier"
         time.sleep(0.5)
+
+
+def test_a_dead_replica_is_routed_around(cluster):
+    # Last in the module: it kills replica B (the fixture's teardown copes with a dead process).
+    _, (a, b), router = cluster
+    b.process.kill()
+    b.process.wait()
+    used = {_complete(router, _prompt(24), max_tokens=2).headers[REPLICA] for _ in range(4)}
+    assert used == {a.base_url}
+    with router.http() as client:
+        deadline = time.monotonic() + 10
+        while True:
+            state = {r["url"]: r for r in client.get("/router/state").json()["replicas"]}
+            if not state[b.base_url]["healthy"]:
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        assert client.get("/health").status_code == 200  # one replica is enough

@@ -53,7 +53,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_partial_reuse=not args.no_partial_reuse,
-        kv_store=args.kv_store,
+        # One --kv-store stays a string; several are tiers, in the order given.
+        kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,
     )
 
 

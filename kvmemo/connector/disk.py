@@ -10,16 +10,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
     StoreNamespace,
@@ -35,7 +34,6 @@ SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 600.0  # temp files older than this at startup are leftovers of a crash
 _PAUSE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
-_STOP = object()
 
 
 class DiskStore:
@@ -68,18 +66,12 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._total_bytes = 0
-        self._queued: set[bytes] = set()
         self._stats = StoreStats()
         self._paused_reason: str | None = None
         self._scan()
         max_items = max(2, max_queue_bytes // max(1, namespace.payload_bytes))
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_items)
-        self._writer = threading.Thread(
-            target=self._write_loop, name="kvmemo-disk-store", daemon=True
-        )
-        self._writer.start()
-        # Flush pending saves at interpreter exit (or when the store is collected).
-        self._finalizer = weakref.finalize(self, _shutdown, self._queue, self._writer)
+        # Flushes pending saves at interpreter exit (or when the store is collected).
+        self._saves = SaveQueue(self._write_batch, max_items, name="kvmemo-disk-store")
 
     # ---- paths and index -------------------------------------------------------------------
 
@@ -154,7 +146,9 @@ class DiskStore:
         """In this process's index or queued for writing (a hint: files can vanish)."""
         key = bytes(block_hash)
         with self._lock:
-            return key in self._index or key in self._queued
+            if key in self._index:
+                return True
+        return self._saves.is_queued(key)
 
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The validated payload, or None. Bad files are logged and removed; never raises OSError.
@@ -224,44 +218,22 @@ class DiskStore:
         """Queues a save; returns at once. Dropped (and counted) when paused or the queue is full."""
         key = bytes(block_hash)
         with self._lock:
-            if key in self._index or key in self._queued:
+            if key in self._index:
                 return
-            if self._paused_reason is None:
-                self._queued.add(key)
-        if self._paused_reason is not None:
-            self._count(num_saves_dropped=1)
-            return
-        try:
-            self._queue.put_nowait((key, payload))
-        except queue.Full:
-            with self._lock:
-                self._queued.discard(key)
+        if self._paused_reason is not None or not self._saves.offer(key, payload):
             self._count(num_saves_dropped=1)
 
     def flush(self) -> None:
         """Blocks until every queued save is written (or dropped)."""
-        self._queue.join()
+        self._saves.flush()
 
     def close(self) -> None:
         """Flushes and stops the writer thread. Idempotent."""
-        self._finalizer()
+        self._saves.close()
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                key, payload = item  # type: ignore[misc]
-                try:
-                    self._write(BlockHash(key), payload)
-                finally:
-                    with self._lock:
-                        self._queued.discard(key)
-            except Exception:  # the writer must survive anything one block does
-                logger.exception("KV store: unexpected error while saving a block")
-            finally:
-                self._queue.task_done()
+    def _write_batch(self, saves: list[tuple[bytes, bytes]]) -> None:
+        for key, payload in saves:
+            self._write(BlockHash(key), payload)
 
     def _write(self, block_hash: BlockHash, payload: bytes) -> None:
         if self._paused_reason is not None:
@@ -314,12 +286,6 @@ class DiskStore:
                 self._total_bytes -= size
             _remove_quietly(self.path_of(BlockHash(key)))
             self._count(num_evicted=1)
-
-
-def _shutdown(q: queue.Queue[object], writer: threading.Thread) -> None:
-    if writer.is_alive():
-        q.put(_STOP)  # after every queued save: the queue is FIFO
-        writer.join(timeout=60)
 
 
 def _remove_quietly(path: str | os.PathLike[str]) -> None:

@@ -8,10 +8,8 @@ holds the engine thread longer than the socket timeout; saves run on a writer th
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
@@ -23,6 +21,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
     StoreNamespace,
@@ -34,7 +33,6 @@ from kvmemo.kv.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()
 _MAX_BATCH = 32  # saves pipelined into one round trip by the writer
 _MAX_KNOWN = 1 << 16  # hashes remembered as present (the contains() hint)
 _OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -83,15 +81,9 @@ class RedisStore:
         self._retry_at = 0.0
         self._backoff_s = backoff_initial_s
         self._known: OrderedDict[bytes, None] = OrderedDict()  # present in Redis, as last seen
-        self._queued: set[bytes] = set()
         max_items = max(2, max_queue_bytes // max(1, namespace.payload_bytes))
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_items)
-        self._writer = threading.Thread(
-            target=self._write_loop, name="kvmemo-redis-store", daemon=True
-        )
-        self._writer.start()
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self._queue, self._writer, self._client
+        self._saves = SaveQueue(
+            self._write, max_items, name="kvmemo-redis-store", max_batch=_MAX_BATCH
         )
 
     def key_of(self, block_hash: BlockHash) -> bytes:
@@ -169,7 +161,9 @@ class RedisStore:
         """Seen in Redis by this process (written or read) or queued: a hint, no round trip."""
         key = self.key_of(block_hash)
         with self._lock:
-            return key in self._known or key in self._queued
+            if key in self._known:
+                return True
+        return self._saves.is_queued(key)
 
     def get(self, block_hash: BlockHash) -> bytes | None:
         return self.get_many([block_hash])[0]
@@ -232,60 +226,30 @@ class RedisStore:
         is full."""
         key = self.key_of(block_hash)
         with self._lock:
-            if key in self._known or key in self._queued:
+            if key in self._known:
                 return
-        if not self._may_try():
-            self._count(num_saves_dropped=1)
-            return
-        with self._lock:
-            self._queued.add(key)
-        try:
-            self._queue.put_nowait((bytes(block_hash), key, payload))
-        except queue.Full:
-            with self._lock:
-                self._queued.discard(key)
+        if not self._may_try() or not self._saves.offer(key, payload):
             self._count(num_saves_dropped=1)
 
     def flush(self) -> None:
         """Blocks until every queued save is written (or dropped)."""
-        self._queue.join()
+        self._saves.flush()
 
     def close(self) -> None:
         """Flushes, stops the writer thread and closes the connections. Idempotent."""
-        self._finalizer()
+        self._saves.close()
+        self._client.close()
 
-    def _write_loop(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < _MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = any(item is _STOP for item in batch)
-            saves = [item for item in batch if item is not _STOP]
-            try:
-                if saves:
-                    self._write(saves)  # type: ignore[arg-type]
-            except Exception:  # the writer must survive anything one batch does
-                logger.exception("KV store %s: unexpected error while saving blocks", self.url)
-            finally:
-                with self._lock:
-                    for _, key, _ in saves:  # type: ignore[misc]
-                        self._queued.discard(key)
-                for _ in batch:
-                    self._queue.task_done()
-            if stop:
-                return
-
-    def _write(self, saves: list[tuple[bytes, bytes, bytes]]) -> None:
+    def _write(self, saves: list[tuple[bytes, bytes]]) -> None:
+        """Writer thread: one pipelined round trip of SETs for a batch of (key, payload)."""
         if not self._may_try():
             self._count(num_saves_dropped=len(saves))
             return
         start = time.perf_counter()
         pipe = self._client.pipeline(transaction=False)
         num_bytes = 0
-        for raw_hash, key, payload in saves:
+        for key, payload in saves:
+            raw_hash = bytes.fromhex(key[len(self.key_prefix) :].decode("ascii"))
             data = encode_block(self.namespace, BlockHash(raw_hash), payload)
             num_bytes += len(data)
             pipe.set(key, data)
@@ -297,7 +261,7 @@ class RedisStore:
             return
         self._succeeded()
         num_failed = 0
-        for (_, key, _), result in zip(saves, results):
+        for (key, _), result in zip(saves, results):
             if isinstance(result, Exception):  # e.g. OOM under maxmemory-policy noeviction
                 num_failed += 1
             else:
@@ -312,10 +276,3 @@ class RedisStore:
             num_saves_dropped=num_failed,
             save_s=time.perf_counter() - start,
         )
-
-
-def _shutdown(q: queue.Queue[object], writer: threading.Thread, client: redis.Redis) -> None:
-    if writer.is_alive():
-        q.put(_STOP)  # after every queued save: the queue is FIFO
-        writer.join(timeout=60)
-    client.close()

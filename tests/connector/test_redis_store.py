@@ -116,9 +116,14 @@ def test_allkeys_lru_evicts_old_blocks_and_saving_goes_on(namespace):
             store.flush()
             assert store.stats.num_saves_dropped == 0  # LRU makes room; nothing is refused
             got = store.get_many([block_hash(i) for i in range(n)])
-            assert got[-1] == payload(namespace, n - 1)  # the newest survives
-            assert got[0] is None  # the oldest was evicted
+            num_present = sum(p is not None for p in got)
+            assert 0 < num_present < n // 2  # evicted down to what 2 MB holds
             assert all(p is None or p == payload(namespace, i) for i, p in enumerate(got))
+            # Redis's LRU clock ticks once a second: a block saved after a tick is the newest.
+            time.sleep(1.1)
+            store.put(block_hash(n), payload(namespace, n))
+            store.flush()
+            assert store.get(block_hash(n)) == payload(namespace, n)
         finally:
             store.close()
 

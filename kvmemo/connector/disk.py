@@ -15,13 +15,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
     StoreNamespace,
+    StatsCounter,
     StoreStats,
     decode_block_checked,
     encode_block,
@@ -66,7 +66,8 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._total_bytes = 0
-        self._stats = StoreStats()
+        self._counter = StatsCounter()
+        self._count = self._counter.count
         self._paused_reason: str | None = None
         self._scan()
         max_items = max(2, max_queue_bytes // max(1, namespace.payload_bytes))
@@ -127,18 +128,11 @@ class DiskStore:
 
     @property
     def stats(self) -> StoreStats:
-        with self._lock:
-            return self._stats
+        return self._counter.stats
 
     @property
     def is_saving_paused(self) -> bool:
         return self._paused_reason is not None
-
-    def _count(self, **deltas: float) -> None:
-        with self._lock:
-            self._stats = replace(
-                self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()}
-            )
 
     # ---- read ------------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
 
 import redis
 from redis.backoff import NoBackoff
@@ -25,6 +24,7 @@ from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
     StoreNamespace,
+    StatsCounter,
     StoreStats,
     decode_block_checked,
     encode_block,
@@ -75,7 +75,8 @@ class RedisStore:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
-        self._stats = StoreStats()
+        self._counter = StatsCounter()
+        self._count = self._counter.count
         self._num_errors = 0
         self._down_reason: str | None = None
         self._retry_at = 0.0
@@ -93,8 +94,7 @@ class RedisStore:
 
     @property
     def stats(self) -> StoreStats:
-        with self._lock:
-            return self._stats
+        return self._counter.stats
 
     @property
     def num_errors(self) -> int:
@@ -107,12 +107,6 @@ class RedisStore:
         """False from a failed call until the next call that succeeds."""
         with self._lock:
             return self._down_reason is None
-
-    def _count(self, **deltas: float) -> None:
-        with self._lock:
-            self._stats = replace(
-                self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()}
-            )
 
     def _may_try(self) -> bool:
         """Up, or down with its backoff deadline passed (then this call is the retry)."""

@@ -10,8 +10,9 @@ import hashlib
 import logging
 import re
 import struct
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvmemo.kv.hashing import BlockHash
@@ -39,6 +40,25 @@ class StoreStats:
     num_saves_dropped: int = 0  # put() calls dropped (queue full or saving paused)
     save_s: float = 0.0  # seconds spent encoding and writing (writer thread)
     num_evicted: int = 0  # blocks removed to stay under capacity
+
+
+class StatsCounter:
+    """Thread-safe cumulative StoreStats: the engine thread and a writer thread both count."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+
+    @property
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return self._stats
+
+    def count(self, **deltas: float) -> None:
+        with self._lock:
+            self._stats = replace(
+                self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()}
+            )
 
 
 class BlockStore(Protocol):

@@ -126,11 +126,18 @@ def test_router_sends_a_repeated_prefix_to_its_holder_and_spreads_cold_prompts(c
     assert set(cold) == set(by_url), cold
 
 
+@pytest.fixture(scope="module")
+def router_tokenizer():
+    from kvmemo.server.prompt_hasher import load_tokenizer
+
+    return load_tokenizer(None)  # what `kvmemo router` loads: tokenizer only, no weights
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_router_hashes_prompts_exactly_like_the_replica(cluster, kind):
+def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenizer, kind):
     """The router's PromptHasher (tokenizer only + /kv/info) against the replica's own block map."""
     from kvmemo.kv.hashing import BlockHash
-    from kvmemo.server.prompt_hasher import PromptHasher, load_tokenizer
+    from kvmemo.server.prompt_hasher import PromptHasher
 
     _, (a, _), _ = cluster
     text = _prompt(60)
@@ -149,7 +156,7 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, kind):
         assert client.post(path, json=body).status_code == 200
         info = client.get("/kv/info").json()
         held = {bytes.fromhex(h) for h in client.get("/kv/blocks").json()["block_hashes"]}
-    tokenizer, template, fingerprint = load_tokenizer(None)
+    tokenizer, template, fingerprint = router_tokenizer
     assert fingerprint == info["weights_fingerprint"]
     hasher = PromptHasher(
         tokenizer, template, BlockHash(bytes.fromhex(info["namespace_root"])),

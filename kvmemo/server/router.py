@@ -128,7 +128,10 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            await self.check_health()
+            try:
+                await self.check_health()
+            except Exception:  # the loop must outlive any one bad answer
+                logger.exception("health check failed")
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(r) for r in self.replicas))
@@ -138,7 +141,10 @@ class Router:
             ok = (await self.client.get(f"{replica.url}/health", timeout=2.0)).status_code == 200
             if ok and replica.info is None:
                 ok = await self._adopt(replica)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            # Unreachable, or not a kvmemo replica (no usable /kv/info): not routable.
+            if replica.healthy:
+                logger.warning("replica %s: %s", replica.url, exc)
             ok = False
         if ok != replica.healthy:
             logger.warning("replica %s is %s", replica.url, "up" if ok else "DOWN")

@@ -86,6 +86,13 @@ def question(i: int) -> str:
 def run_once(router_url: str, replicas: list[str], prompts: list[str], args) -> dict:
     for url in replicas:
         httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+    # The router must have seen the resets (AllBlocksCleared events) before the first request:
+    # a late clear would wipe the blocks it predicts for the run's first requests.
+    deadline = time.monotonic() + 30
+    while any(r["cached_blocks"] for r in httpx.get(f"{router_url}/router/state").json()["replicas"]):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the router never saw the prefix-cache resets")
+        time.sleep(0.05)
 
     def send(prompt: str) -> tuple[dict, str]:
         r = httpx.post(

@@ -120,12 +120,45 @@ keys {h['block_hashing_us_per_request']} µs per request ({h['num_blocks_hashed'
 """
 
 
+def router_section(r: dict) -> str:
+    m, w = r["machine"], r["workload"]
+    rows = []
+    for sc in r["scenarios"]:
+        for policy in ("prefix", "round_robin"):
+            for run in sc["runs"][policy]:
+                rows.append(
+                    f"| {sc['num_prefixes']} | {policy} | {run['cached_fraction'] * 100:.1f}% | "
+                    f"{run['computed_prompt_tokens']:,} | {run['output_tok_s']} | {run['wall_s']} | "
+                    f"{'/'.join(map(str, run['requests_per_replica']))} |"
+                )
+    ratios = ", ".join(
+        f"{sc['num_prefixes']} prefix(es): {sc['prefix_over_round_robin_throughput']}x"
+        for sc in r["scenarios"]
+    )
+    return f"""## Scale-out: 2 replicas behind `kvmemo router` (`benchmarks/bench_router.py`)
+
+Machine: {m['cpu']}, {m['cores']} cores, {m['threads_per_replica']} torch thread(s) per replica,
+Python {m['python']}; commit {m['commit']}, {m['date']}. Workload: {w['num_questions']} requests,
+each a ~{w['system_tokens']}-token system prompt (shared; split over N different ones) + a distinct
+~32-token question, {w['output_tokens']} greedy output tokens, {w['concurrency']} in flight, 2 replicas
+(`kvmemo serve`, bundled SmolLM2, fp32). Policies alternate on the same replicas (caches reset
+before each run). Command: `{r['command']}`.
+
+| system prompts | policy | cached prompt tokens | prompt tokens computed | output tok/s | wall s | requests per replica |
+|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+Throughput, prefix-aware over round robin (best runs): {ratios}.
+"""
+
+
 # (results file, renderer), in page order; a section appears once its results exist.
 SECTIONS = (
     ("core.json", core_section),
     ("attention.json", attention_section),
     ("fp8_kv.json", fp8_section),
     ("multimodal.json", multimodal_section),
+    ("router.json", router_section),
 )
 
 

@@ -26,7 +26,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument("--no-partial-reuse", action="store_true", help="do not copy partially filled matching blocks")
-    g.add_argument("--kv-store", default=None, help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB (default: off)")
+    g.add_argument("--kv-store", action="append", default=None, help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB or redis://host:6379/0?timeout=0.5; repeat it for tiers, looked up in the order given and saved to all (default: off)")
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 
@@ -53,7 +53,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_partial_reuse=not args.no_partial_reuse,
-        kv_store=args.kv_store,
+        # One --kv-store stays a string; several are tiers, in the order given.
+        kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,
     )
 
 
@@ -94,7 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting sequences before 503 (default: 256)")
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's stem)")
+    serve.add_argument("--kv-events-endpoint", default=None, help="publish KV events (ZeroMQ PUB, msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557, for `kvmemo router` (default: off)")
     _add_engine_flags(serve)
+    router = sub.add_parser("router", help="route OpenAI requests to the replica holding the longest cached prefix (needs the `scale` extra)")
+    router.add_argument("--replica", action="append", required=True, help="a `kvmemo serve` replica's URL, e.g. http://10.0.0.2:8000 (repeat per replica)")
+    router.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    router.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    router.add_argument("--model", default=None, help="the replicas' model (.gguf or HF directory), for its tokenizer only (default: bundled SmolLM2)")
+    router.add_argument("--policy", default="prefix", help="prefix (longest cached prefix, else least loaded) or round_robin (default: prefix)")
+    router.add_argument("--balance-threshold", type=int, default=4, help="send a prefix hit elsewhere when its replica has this many more requests in flight than the least loaded (default: 4)")
+    router.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (default: 1)")
+    router.add_argument("-v", "--verbose", action="store_true", help="log routing details to stderr")
     return parser
 
 
@@ -180,6 +191,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         engine_options=_engine_options(args),
+        kv_events_endpoint=args.kv_events_endpoint,
+    )
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from kvmemo.server.router import run_router
+
+    logging.getLogger("kvmemo.server").setLevel(logging.INFO)
+    run_router(
+        args.replica,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        balance_threshold=args.balance_threshold,
+        health_interval_s=args.health_interval,
     )
     return 0
 
@@ -196,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "serve":
             return _cmd_serve(args)
+        if args.command == "router":
+            return _cmd_router(args)
         return _cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

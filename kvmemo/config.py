@@ -55,7 +55,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed of the sampler's default generator
     num_threads: int | None = None  # torch CPU threads; None = torch's default
-    kv_store: str | None = None  # persistent KV store, "disk:/path?capacity=20GiB"; None = off
+    # persistent KV store(s): "disk:/path?capacity=20GiB", "redis://host:6379/0", or a list of
+    # them (tiers, looked up in order, saved to all); None = off
+    kv_store: str | tuple[str, ...] | None = None
     encoder_cache_memory: str | int = "256MiB"  # image features by content hash (LLaVA models)
 
     def __post_init__(self) -> None:
@@ -73,9 +75,11 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
         if self.kv_store is not None:
-            from kvmemo.connector.spec import parse_kv_store  # stdlib only; imports this module
+            from kvmemo.connector.spec import parse_kv_stores  # stdlib only; imports this module
 
-            parse_kv_store(self.kv_store)
+            if isinstance(self.kv_store, list):  # frozen and hashable: keep tiers as a tuple
+                object.__setattr__(self, "kv_store", tuple(self.kv_store))
+            parse_kv_stores(self.kv_store)
             if not self.enable_prefix_caching:
                 raise ValueError("kv_store needs enable_prefix_caching=True (blocks are saved when committed)")
 

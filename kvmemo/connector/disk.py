@@ -10,18 +10,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
-import weakref
 from collections import OrderedDict
-from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 
+from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
     StoreNamespace,
+    StatsCounter,
     StoreStats,
     decode_block_checked,
     encode_block,
@@ -34,7 +34,6 @@ SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 600.0  # temp files older than this at startup are leftovers of a crash
 _PAUSE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
-_STOP = object()
 
 
 class DiskStore:
@@ -67,18 +66,13 @@ class DiskStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._total_bytes = 0
-        self._queued: set[bytes] = set()
-        self._stats = StoreStats()
+        self._counter = StatsCounter()
+        self._count = self._counter.count
         self._paused_reason: str | None = None
         self._scan()
         max_items = max(2, max_queue_bytes // max(1, namespace.payload_bytes))
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_items)
-        self._writer = threading.Thread(
-            target=self._write_loop, name="kvmemo-disk-store", daemon=True
-        )
-        self._writer.start()
-        # Flush pending saves at interpreter exit (or when the store is collected).
-        self._finalizer = weakref.finalize(self, _shutdown, self._queue, self._writer)
+        # Flushes pending saves at interpreter exit (or when the store is collected).
+        self._saves = SaveQueue(self._write_batch, max_items, name="kvmemo-disk-store")
 
     # ---- paths and index -------------------------------------------------------------------
 
@@ -134,18 +128,11 @@ class DiskStore:
 
     @property
     def stats(self) -> StoreStats:
-        with self._lock:
-            return self._stats
+        return self._counter.stats
 
     @property
     def is_saving_paused(self) -> bool:
         return self._paused_reason is not None
-
-    def _count(self, **deltas: float) -> None:
-        with self._lock:
-            self._stats = replace(
-                self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()}
-            )
 
     # ---- read ------------------------------------------------------------------------------
 
@@ -153,7 +140,9 @@ class DiskStore:
         """In this process's index or queued for writing (a hint: files can vanish)."""
         key = bytes(block_hash)
         with self._lock:
-            return key in self._index or key in self._queued
+            if key in self._index:
+                return True
+        return self._saves.is_queued(key)
 
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The validated payload, or None. Bad files are logged and removed; never raises OSError.
@@ -202,6 +191,15 @@ class DiskStore:
         self._count(num_hits=1, bytes_read=len(payload))
         return payload
 
+    def get_many(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """get() of each hash, in order; stops reading at the first miss (a prefix's chain is
+        broken there), the rest are None."""
+        out: list[bytes | None] = []
+        for block_hash in block_hashes:
+            payload = self.get(block_hash) if not out or out[-1] is not None else None
+            out.append(payload)
+        return out
+
     def _forget(self, key: bytes) -> None:
         with self._lock:
             size = self._index.pop(key, None)
@@ -214,44 +212,22 @@ class DiskStore:
         """Queues a save; returns at once. Dropped (and counted) when paused or the queue is full."""
         key = bytes(block_hash)
         with self._lock:
-            if key in self._index or key in self._queued:
+            if key in self._index:
                 return
-            if self._paused_reason is None:
-                self._queued.add(key)
-        if self._paused_reason is not None:
-            self._count(num_saves_dropped=1)
-            return
-        try:
-            self._queue.put_nowait((key, payload))
-        except queue.Full:
-            with self._lock:
-                self._queued.discard(key)
+        if self._paused_reason is not None or not self._saves.offer(key, payload):
             self._count(num_saves_dropped=1)
 
     def flush(self) -> None:
         """Blocks until every queued save is written (or dropped)."""
-        self._queue.join()
+        self._saves.flush()
 
     def close(self) -> None:
         """Flushes and stops the writer thread. Idempotent."""
-        self._finalizer()
+        self._saves.close()
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                key, payload = item  # type: ignore[misc]
-                try:
-                    self._write(BlockHash(key), payload)
-                finally:
-                    with self._lock:
-                        self._queued.discard(key)
-            except Exception:  # the writer must survive anything one block does
-                logger.exception("KV store: unexpected error while saving a block")
-            finally:
-                self._queue.task_done()
+    def _write_batch(self, saves: list[tuple[bytes, bytes]]) -> None:
+        for key, payload in saves:
+            self._write(BlockHash(key), payload)
 
     def _write(self, block_hash: BlockHash, payload: bytes) -> None:
         if self._paused_reason is not None:
@@ -304,12 +280,6 @@ class DiskStore:
                 self._total_bytes -= size
             _remove_quietly(self.path_of(BlockHash(key)))
             self._count(num_evicted=1)
-
-
-def _shutdown(q: queue.Queue[object], writer: threading.Thread) -> None:
-    if writer.is_alive():
-        q.put(_STOP)  # after every queued save: the queue is FIFO
-        writer.join(timeout=60)
 
 
 def _remove_quietly(path: str | os.PathLike[str]) -> None:

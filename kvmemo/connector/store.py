@@ -10,7 +10,9 @@ import hashlib
 import logging
 import re
 import struct
-from dataclasses import dataclass
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvmemo.kv.hashing import BlockHash
@@ -40,6 +42,25 @@ class StoreStats:
     num_evicted: int = 0  # blocks removed to stay under capacity
 
 
+class StatsCounter:
+    """Thread-safe cumulative StoreStats: the engine thread and a writer thread both count."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+
+    @property
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return self._stats
+
+    def count(self, **deltas: float) -> None:
+        with self._lock:
+            self._stats = replace(
+                self._stats, **{k: getattr(self._stats, k) + v for k, v in deltas.items()}
+            )
+
+
 class BlockStore(Protocol):
     """Where blocks live outside the device: raw KV payloads keyed by BlockHash.
 
@@ -49,6 +70,11 @@ class BlockStore(Protocol):
 
     def get(self, block_hash: BlockHash) -> bytes | None: ...
 
+    def get_many(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """get() of each hash, in order (a remote store does it in one round trip); optional,
+        see get_many() below."""
+        ...
+
     def put(self, block_hash: BlockHash, payload: bytes) -> None: ...
 
     def contains(self, block_hash: BlockHash) -> bool: ...
@@ -57,6 +83,14 @@ class BlockStore(Protocol):
 
     @property
     def stats(self) -> StoreStats: ...
+
+
+def get_many(store: BlockStore, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:
+    """store.get_many(block_hashes), or a get() per hash for a store that has no get_many."""
+    batched = getattr(store, "get_many", None)
+    if batched is not None:
+        return batched(block_hashes)
+    return [store.get(h) for h in block_hashes]
 
 
 _UNSAFE = re.compile(r"[^a-z0-9._-]+")

@@ -1,4 +1,4 @@
-"""StoreKVConnector: the KVConnector over any BlockStore (disk today), loads and saves by block.
+"""StoreKVConnector: the KVConnector over any BlockStore (disk, Redis, tiers), loads and saves by block.
 
 Invariant: loads are only the validated payloads matched this step, for blocks the allocation
 just handed out; each committed block is offered to the store at most once per process.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvmemo.connector.base import BlockLoad, ConnectorMetadata, ConnectorStats, KVConnector
-from kvmemo.connector.store import BlockStore, StoreNamespace
+from kvmemo.connector.store import BlockStore, StoreNamespace, get_many
 from kvmemo.kv.events import BlockStored
 from kvmemo.kv.hashing import BlockHash
 
@@ -93,8 +93,9 @@ class StoreKVConnector(KVConnector):
         first = num_computed_tokens // size
         last = (len(request.all_token_ids) - 1) // size  # the last token is always computed
         loads: list[tuple[BlockHash, bytes]] = []
-        for block_hash in request.block_hashes[first:last]:
-            payload = self.store.get(block_hash)
+        wanted = request.block_hashes[first:last]
+        # One batch per prefix: a remote store answers it in one round trip.
+        for block_hash, payload in zip(wanted, get_many(self.store, wanted) if wanted else ()):
             if payload is None:
                 break
             loads.append((block_hash, payload))

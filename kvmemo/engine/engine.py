@@ -20,6 +20,7 @@ from kvmemo.attention.cache import PagedKVCache, describe_kv_bytes, kv_bytes_per
 from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
 from kvmemo.config import EngineConfig, parse_size_bytes
 from kvmemo.connector.store_connector import StoreKVConnector
+from kvmemo.connector.tiered import TierStats, TieredStore
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.model_runner import ModelRunner
@@ -295,6 +296,15 @@ class Engine:
             "store_load_s": s.load_s,
             "store_save_s": s.save_s,
             "store_saves_dropped": s.saves_dropped,
+            **{
+                f"store_tier_{t.name}_{key}": value
+                for t in _tier_stats(self.kv_connector)
+                for key, value in (
+                    ("served_blocks", t.served_blocks),
+                    ("miss_blocks", t.store.num_misses),
+                    ("errors", t.num_errors),
+                )
+            },
         }
 
     def subscribe_kv_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
@@ -337,18 +347,46 @@ class Engine:
         return result
 
 
+def _tier_stats(connector: StoreKVConnector) -> list[TierStats]:
+    store = connector.store
+    if isinstance(store, TieredStore):
+        return store.tier_stats()
+    # One store, not wrapped: every hit it counted was served.
+    name = "redis" if hasattr(store, "url") else "disk"
+    s = store.stats
+    return [TierStats(name, s.num_hits, s, getattr(store, "num_errors", 0))]
+
+
 def _build_kv_connector(
     config: EngineConfig, root: bytes, model_path: str, kv_cache: PagedKVCache
 ) -> StoreKVConnector | None:
-    """The connector over config.kv_store (None when no store is configured)."""
+    """The connector over config.kv_store's tiers (None when no store is configured)."""
     if config.kv_store is None:
         return None
-    from kvmemo.connector.disk import DiskStore
-    from kvmemo.connector.spec import parse_kv_store
+    from kvmemo.connector.spec import parse_kv_stores
     from kvmemo.connector.store_connector import namespace_for
 
-    spec = parse_kv_store(config.kv_store)
     namespace = namespace_for(root, Path(model_path).stem, kv_cache)
-    store = DiskStore(spec.path, spec.capacity_bytes, namespace)
-    logger.info("KV store: %s (capacity %.1f GiB)", store.dir, spec.capacity_bytes / 2**30)
+    tiers = []
+    for i, spec in enumerate(parse_kv_stores(config.kv_store)):
+        names = {name for name, _ in tiers}
+        name = spec.kind if spec.kind not in names else f"{spec.kind}{i}"
+        if spec.kind == "redis":
+            from kvmemo.connector.redis_store import RedisStore  # needs the `redis` package
+
+            assert spec.timeout_s is not None
+            tiers.append((name, RedisStore(spec.path, namespace, timeout_s=spec.timeout_s)))
+            logger.info("KV store tier %s: %s (timeout %.2f s)", name, spec.path, spec.timeout_s)
+        else:
+            from kvmemo.connector.disk import DiskStore
+
+            assert spec.capacity_bytes is not None
+            store = DiskStore(spec.path, spec.capacity_bytes, namespace)
+            tiers.append((name, store))
+            logger.info(
+                "KV store tier %s: %s (capacity %.1f GiB)",
+                name, store.dir, spec.capacity_bytes / 2**30,
+            )
+    # One store is used as is (its own type stays visible); several become one TieredStore.
+    store = tiers[0][1] if len(tiers) == 1 else TieredStore(tiers)
     return StoreKVConnector(store, namespace, config.block_size)

@@ -155,6 +155,10 @@ class BlockPool:
             return None
         return self._cached.get(block_hash)
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the map now (what a KV-event subscriber resyncs to), in commit order."""
+        return list(self._cached)
+
     def get_cached_children(self, parent_hash: BlockHash) -> Iterable[Block]:
         """The mapped blocks whose parent hash is `parent_hash`, oldest commit first.
 

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,7 @@ from kvmemo.engine.async_engine import (
     StreamItem,
 )
 from kvmemo.sampling import SamplingParams
+from kvmemo.server.kv_routes import add_kv_routes
 from kvmemo.server.metrics import ServerMetrics
 from kvmemo.server.protocol import (
     ChatCompletionRequest,
@@ -42,6 +43,9 @@ from kvmemo.server.protocol import (
     check_unsupported,
 )
 
+if TYPE_CHECKING:
+    from kvmemo.server.kv_events import KVEventPublisher
+
 logger = logging.getLogger(__name__)
 
 _ROUTES = (
@@ -51,6 +55,8 @@ _ROUTES = (
     "/health",
     "/metrics",
     "/reset_prefix_cache",
+    "/kv/info",
+    "/kv/blocks",
 )
 _PARAMS = (
     "n",
@@ -97,8 +103,17 @@ def _error_response(
     return JSONResponse(body, status_code=status)
 
 
-def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """Build the app around a running AsyncEngine; the app shuts the engine down on exit."""
+def create_app(
+    engine: AsyncEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    kv_events: KVEventPublisher | None = None,
+) -> FastAPI:
+    """Build the app around a running AsyncEngine; the app shuts the engine down on exit.
+
+    kv_events: the publisher the engine's KV events go to, named by GET /kv/info.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -205,6 +220,7 @@ def create_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = No
             )
         return {"success": True}
 
+    add_kv_routes(app, engine, kv_events, model_name)
     return app
 
 

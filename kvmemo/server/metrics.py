@@ -79,5 +79,23 @@ class ServerMetrics:
             lambda: float(engine.metrics.get("store_hit_tokens", 0)),
         )
 
+        tier_hits = Gauge(
+            "kvmemo_store_tier_served_blocks",
+            "Blocks each KV store tier served (cumulative; the first tier holding a block serves it)",
+            ["tier"],
+            registry=r,
+        )
+        tier_errors = Gauge(
+            "kvmemo_store_tier_errors",
+            "Failed calls to each KV store tier (connection lost, timeout), cumulative",
+            ["tier"],
+            registry=r,
+        )
+        for key in engine.metrics:  # the tiers are fixed when the engine is built
+            if key.startswith("store_tier_") and key.endswith("_served_blocks"):
+                tier = key.removeprefix("store_tier_").removesuffix("_served_blocks")
+                tier_hits.labels(tier).set_function(m(key))
+                tier_errors.labels(tier).set_function(m(f"store_tier_{tier}_errors"))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,6 +32,7 @@ def serve(
     max_waiting: int = 256,
     served_model_name: str | None = None,
     engine_options: dict[str, Any] | None = None,
+    kv_events_endpoint: str | None = None,
 ) -> None:
     import uvicorn
 
@@ -40,12 +41,26 @@ def serve(
     from kvmemo.engine.engine import Engine
     from kvmemo.server.app import create_app
 
-    config = EngineConfig.from_kwargs(model=model, **(engine_options or {}))
-    engine = AsyncEngine(Engine(config), max_waiting=max_waiting)
+    options = dict(engine_options or {})
+    if kv_events_endpoint is not None:
+        options["enable_kv_events"] = True
+    config = EngineConfig.from_kwargs(model=model, **options)
+    inner = Engine(config)
+    publisher = None
+    if kv_events_endpoint is not None:
+        from kvmemo.server.kv_events import KVEventPublisher  # needs pyzmq and msgpack
+
+        publisher = KVEventPublisher(kv_events_endpoint)
+        # Subscribed before the engine thread starts: publish() runs on that thread only.
+        inner.subscribe_kv_events(publisher.publish)
+        logger.info("KV events on %s", kv_events_endpoint)
+    engine = AsyncEngine(inner, max_waiting=max_waiting)
     name = served_model_name or default_model_name(model)
-    app = create_app(engine, model_name=name, api_key=api_key)
+    app = create_app(engine, model_name=name, api_key=api_key, kv_events=publisher)
     logger.info("serving %s on http://%s:%d/v1", name, host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         engine.shutdown()
+        if publisher is not None:
+            publisher.close()

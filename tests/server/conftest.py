@@ -83,14 +83,16 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch_server(*flags: str, api_key: str | None = None) -> Iterator[RunningServer]:
-    """Run `python -m kvmemo.cli serve` with small engine settings; kill it on exit."""
+def launch_server(
+    *flags: str, api_key: str | None = None, command: str = "serve"
+) -> Iterator[RunningServer]:
+    """Run `python -m kvmemo.cli serve` (or `command`) with `flags`; kill it on exit."""
     port = _free_port()
     cmd = [
         sys.executable,
         "-m",
         "kvmemo.cli",
-        "serve",
+        command,
         "--host",
         "127.0.0.1",
         "--port",

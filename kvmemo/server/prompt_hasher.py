@@ -1,0 +1,92 @@
+"""PromptHasher: an OpenAI request body -> the block hashes a replica will give its prompt.
+
+Invariant: tokenization (tokenizer, chat template, message normalisation) and hashing (RequestHasher
+from the replicas' namespace root, block size and algorithm, cache_salt as an extra key) are the
+replica's own code paths, so equal prompts get equal hashes on the router and on the replica.
+Only the tokenizer is loaded, never the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvmemo.engine.processor import InputProcessor
+from kvmemo.kv.hashing import BlockHash, RequestHasher
+from kvmemo.request import Request
+from kvmemo.sampling import SamplingParams
+
+
+def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
+    """(tokenizer, chat template, weights fingerprint) of a .gguf file or HF directory."""
+    from kvmemo.model.loader import bundled_model_path, fingerprint_files
+
+    path = Path(model if model is not None else bundled_model_path()).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"model path not found: {path}")
+    if path.is_file():
+        from kvmemo.model.gguf_header import GGUFFile
+        from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+
+        fingerprint = fingerprint_files([path], path.parent)
+        template = GGUFFile(path, max_array_len=0).header.metadata.get("tokenizer.chat_template")
+        return load_gguf_tokenizer(path, fingerprint), template, fingerprint
+    from transformers import AutoTokenizer
+
+    from kvmemo.model.safetensors_loader import safetensors_files
+
+    fingerprint = fingerprint_files([path / "config.json", *safetensors_files(path)], path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return tokenizer, getattr(tokenizer, "chat_template", None), fingerprint
+
+
+class PromptHasher:
+    """Owns the tokenizer side (InputProcessor) and the hashing side (RequestHasher)."""
+
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None, root: BlockHash, block_size: int,
+        algorithm: str,
+    ) -> None:
+        self.processor = InputProcessor(tokenizer, len(tokenizer), chat_template)
+        self.hasher = RequestHasher(root, block_size, algorithm)
+
+    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt tokens the replica will see, or None when the body is not one it accepts
+        (the replica then answers with the error)."""
+        try:
+            if path.endswith("/chat/completions"):
+                return self.processor.encode_chat(_messages(body["messages"]))[1]
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            return self.processor.encode_prompt(prompt)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def block_hashes(self, path: str, body: dict[str, Any]) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks ([] when the body has no usable prompt)."""
+        token_ids = self.token_ids(path, body)
+        salt = body.get("cache_salt")
+        if not token_ids or (salt is not None and not isinstance(salt, str)):
+            return []
+        request = Request(
+            request_id="route",
+            prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(),
+            cache_salt=salt,
+        )
+        self.hasher.extend(request)
+        return list(request.block_hashes)
+
+
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The server's normalisation (app.py chat): text parts joined by newlines, developer is
+    system."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "\n".join(part.get("text", "") for part in content)
+        role = "system" if message.get("role") == "developer" else message.get("role")
+        out.append({"role": role, "content": content or ""})
+    return out

@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmemo-installed
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test bench bench-peers clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/run_core.py
+	# W0-W2 and W4 for kvmemo, each in a fresh process; JSON, PNG charts, docs/benchmarks.md.
+	$(PY) benchmarks/run_suite.py --engines kvmemo --online-rate 2
+
+# The peers, each in its own virtualenv (llama.cpp compiles for ~10 min; vLLM is ~3.4 GB).
+bench-peers: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	test -x benchmarks/peers/.venv-llamacpp/bin/python || benchmarks/peers/setup_llamacpp.sh
+	test -x benchmarks/peers/.venv-hf/bin/python || benchmarks/peers/setup_hf.sh
+	test -x benchmarks/peers/.venv-vllm/bin/python || benchmarks/peers/setup_vllm.sh
+	$(PY) benchmarks/run_suite.py --engines llama.cpp,hf,vllm --online-rate 2
 
 clean-venv:
 	rm -rf $(VENV)

@@ -152,6 +152,38 @@ Throughput, prefix-aware over round robin (best runs): {ratios}.
 """
 
 
+def peers_section() -> str:
+    """Side-by-side table (benchmarks/run_suite.py results) and the charts plot.py drew."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plot import load_results
+
+    lines = ["## Side by side (`benchmarks/run_suite.py`, same token ids for every engine)\n"]
+    for mode in ("offline", "online"):
+        table = load_results(mode)
+        if not table:
+            continue
+        lines += [f"### {mode}\n", "| workload | engine | wall s | output tok/s | TTFT p50 s | TTFT p90 s | "
+                  "prompt tokens | cached | start-up s | version |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for workload, engines in table.items():
+            for engine, r in sorted(engines.items()):
+                cached = "n/a" if r["cached_prompt_tokens"] is None else f"{r['cached_prompt_tokens']:,}"
+                lines.append(
+                    f"| {workload} | {engine} | {r['wall_s']:.2f} | {r['output_tok_s']:.1f} | "
+                    f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['prompt_tokens']:,} | {cached} | "
+                    f"{r['startup_s']:.1f} | {r['engine_version']} |")
+        lines.append("")
+    any_result = next(iter(next(iter(load_results("offline").values()), {}).values()), None)
+    if any_result:
+        m = any_result["machine"]
+        lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; {m['date']}.\n")
+    for image in ("bench_throughput.png", "bench_ttft.png"):
+        if (ROOT / "docs" / "img" / image).is_file():
+            lines.append(f"![{image}](img/{image})\n")
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 # (results file, renderer), in page order; a section appears once its results exist.
 SECTIONS = (
     ("core.json", core_section),
@@ -168,6 +200,7 @@ def main() -> None:
     for name, section in SECTIONS:
         if (RESULTS / name).is_file():
             parts.append(section(json.loads((RESULTS / name).read_text())))
+    parts.append(peers_section())  # benchmarks/results/peers/*.json, one file per engine run
     if NOTES.is_file():
         parts.append(NOTES.read_text())
     (ROOT / "docs").mkdir(exist_ok=True)

@@ -1,0 +1,33 @@
+"""kvmemo through its Engine API: continuous batching, prefix caching on unless asked off."""
+
+from __future__ import annotations
+
+from engines.base import EngineRunner
+
+
+class KvmemoRunner(EngineRunner):
+    def __init__(self, engine, options: dict) -> None:
+        import kvmemo
+
+        super().__init__("kvmemo", getattr(kvmemo, "__version__", "dev"), options)
+        self.engine = engine
+        from kvmemo import SamplingParams
+
+        self._params = SamplingParams
+
+    def submit(self, index: int, prompt_token_ids: list[int], max_tokens: int) -> None:
+        params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(list(prompt_token_ids), params, request_id=str(index))
+
+    def step(self):
+        return [(int(out.request_id), list(out.outputs[0].token_ids), out.finished,
+                 out.metrics.num_cached_tokens) for out in self.engine.step()]
+
+
+def make_runner(*, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None) -> KvmemoRunner:
+    from kvmemo.config import EngineConfig
+    from kvmemo.engine.engine import Engine
+
+    options = {"model": model, "enable_prefix_caching": prefix_caching, "num_threads": threads,
+               "kv_store": kv_store}
+    return KvmemoRunner(Engine(EngineConfig.from_kwargs(**options)), options)

@@ -1,0 +1,92 @@
+"""The side-by-side suite: workloads -> every (engine, workload) in a fresh process -> charts + docs.
+
+    python benchmarks/run_suite.py                       # kvmemo: W0 (caching on and off), W1, W2, W4
+    python benchmarks/run_suite.py --engines llama.cpp,hf,vllm   # peers, from their own venvs
+
+Invariant: each run is its own process (no warm state leaks between engines or into W4's second
+run), results land in benchmarks/results/peers/, and docs/benchmarks.md is regenerated from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "peers"
+PEER_PYTHON = {
+    "llama.cpp": HERE / "peers" / ".venv-llamacpp" / "bin" / "python",
+    "hf": HERE / "peers" / ".venv-hf" / "bin" / "python",
+    "vllm": HERE / "peers" / ".venv-vllm" / "bin" / "python",
+}
+SETUP_SCRIPT = {"llama.cpp": "setup_llamacpp.sh", "hf": "setup_hf.sh", "vllm": "setup_vllm.sh"}
+# Which workloads each engine runs: sequential peers are slow, so they skip W0 (no reuse to show).
+PLAN = {
+    "kvmemo": [("W0", True), ("W0", False), ("W1", True), ("W1", False), ("W2", True), ("W4", True)],
+    "llama.cpp": [("W1", True), ("W2", True)],
+    "hf": [("W1", True)],
+    "vllm": [("W0", True), ("W1", True), ("W1", False), ("W2", True)],
+}
+
+
+def run(engine: str, workload: str, caching: bool, workload_dir: Path, model: str, mode: str,
+        extra: list[str] | None = None, out: Path | None = None) -> None:
+    python = sys.executable if engine == "kvmemo" else str(PEER_PYTHON[engine])
+    if not Path(python).exists():
+        raise SystemExit(f"{python} is missing: run benchmarks/peers/{SETUP_SCRIPT[engine]} first")
+    suffix = "" if caching else "-nocache"
+    out = out or RESULTS / f"{engine}-{workload}-{mode}{suffix}.json"
+    cmd = [python, str(HERE / "run.py"), "--engine", engine, "--workload", workload, "--mode", mode,
+           "--workload-dir", str(workload_dir), "--model", model, "--out", str(out), *(extra or [])]
+    if not caching:
+        cmd.append("--no-prefix-caching")
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", default="kvmemo", help="comma-separated: kvmemo,llama.cpp,hf,vllm")
+    parser.add_argument("--workloads", default=None, help="comma-separated subset, e.g. W1,W2")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (smoke runs)")
+    parser.add_argument("--online-rate", type=float, default=None,
+                        help="also run W1 online at this many requests per second")
+    args = parser.parse_args()
+    from kvmemo.model.loader import bundled_model_path
+
+    gguf = bundled_model_path()
+    workload_dir = HERE / "workloads"
+    subprocess.run([sys.executable, str(HERE / "workloads.py"), "--out", str(workload_dir),
+                    "--scale", str(args.scale)], check=True)
+    wanted = set(args.workloads.split(",")) if args.workloads else None
+    for engine in args.engines.split(","):
+        if engine not in PLAN:
+            raise SystemExit(f"--engines takes {sorted(PLAN)}, got {engine!r}")
+        model = str(HERE / "peers" / "hf-smollm2-fp32") if engine == "vllm" else gguf
+        for workload, caching in PLAN[engine]:
+            if wanted and workload not in wanted:
+                continue
+            if workload == "W4":  # fill a fresh disk store in one process, measure in the next
+                store = Path(tempfile.mkdtemp(prefix="kvmemo-w4-"))
+                try:
+                    extra = ["--kv-store", f"disk:{store}"]
+                    run(engine, workload, caching, workload_dir, model, "offline", extra,
+                        out=RESULTS.parent / f"{engine}-W4-first-process.json")
+                    run(engine, workload, caching, workload_dir, model, "offline", extra)
+                finally:
+                    shutil.rmtree(store, ignore_errors=True)
+            else:
+                run(engine, workload, caching, workload_dir, model, "offline")
+        if args.online_rate and (not wanted or "W1" in wanted):
+            run(engine, "W1", True, workload_dir, model, "online", ["--rate", str(args.online_rate)])
+    subprocess.run([sys.executable, str(HERE / "plot.py")], check=True)
+    subprocess.run([sys.executable, str(HERE / "write_docs.py")], check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvmemo.config import EngineConfig
+from kvmemo.engine.beam_search import BeamSearchParams
 from kvmemo.engine.engine import Engine
 from kvmemo.outputs import RequestOutput
 from kvmemo.sampling import SamplingParams
@@ -62,6 +63,45 @@ class LLM:
             text, token_ids = self.engine.processor.encode_chat(conversation)
             items.append((token_ids, text))
         return self._run(items, sampling_params, use_tqdm, cache_salt)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        beam_width: int = 4,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Beam search for one prompt or many, equal to HF `generate(num_beams=beam_width,
+        do_sample=False, max_new_tokens=max_tokens, length_penalty=..., early_stopping=...,
+        num_return_sequences=beam_width)`. outputs[i].outputs holds prompt i's beam_width finished
+        beams, best score first, each with token_ids (the final EOS included), text,
+        cumulative_logprob and score. All prompts' beams run batched, one forward per step."""
+        params = BeamSearchParams(beam_width, max_tokens, length_penalty, early_stopping)
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        self._batch_ids += 1
+        ids: list[str] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"b{self._batch_ids}-{i}"
+                self.engine.add_beam_request(prompt, params, request_id=rid, cache_salt=cache_salt)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="beam search", disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
 
     def get_metrics(self) -> dict[str, float | int]:
         """Prefix-cache and scheduler counters since start (tokens, blocks, hit rate)."""

@@ -22,6 +22,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
     block_size: int
     request_ids: list[str]  # one per sequence, carried for logging / beam addressing
+    beam_indices: list[int]  # one per sequence: its beam within its request (0 without beams)
     query_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of query_lens)
     seq_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of seq_lens)
 
@@ -47,6 +48,7 @@ class AttentionMetadata:
         block_size: int,
         num_cache_blocks: int,
         request_ids: list[str],
+        beam_indices: list[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Validate the per-sequence lists and derive slot mapping and padded tensors.
@@ -61,6 +63,13 @@ class AttentionMetadata:
                 "attention metadata needs one block table, computed count and request id per "
                 f"sequence: got {len(block_tables)} block tables, {len(num_computed_tokens)} "
                 f"counts and {len(request_ids)} request ids for {num_seqs} sequences"
+            )
+        if beam_indices is None:
+            beam_indices = [0] * num_seqs
+        if len(beam_indices) != num_seqs:
+            raise ValueError(
+                f"beam_indices must hold one entry per sequence: got {len(beam_indices)} for "
+                f"{num_seqs} sequences"
             )
         seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
         slots: list[int] = []
@@ -87,6 +96,7 @@ class AttentionMetadata:
             seq_lens=seq_lens,
             block_size=block_size,
             request_ids=list(request_ids),
+            beam_indices=list(beam_indices),
             query_lens_t=torch.tensor(query_lens, dtype=torch.int64, device=device),
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         )

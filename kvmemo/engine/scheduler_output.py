@@ -26,6 +26,9 @@ class ScheduledSequence:
     needs_sample: bool  # the chunk reaches the sequence's end, so its last position samples
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far (the sampler's per-request step index)
+    # Beam search: the sequence's beam within request_id (0 for the prompt); the runner returns
+    # log-probabilities for it instead of a sampled token. None for ordinary sequences.
+    beam_index: int | None = None
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ class FinishedBeam:
 class BeamSearch:
     """Owns the beams of one request: the running beams, the finished hypotheses, their blocks.
 
+    beam_width 1 is greedy search, as HF's generate(num_beams=1).
+
     The root request (the prompt) is prefilled like any request; step() then receives the
     log-softmax rows of every running beam from one batched forward and does HF's update: the
     top (1 + num EOS ids, at least 2) x beam_width continuations over beams x vocabulary; the best
@@ -91,7 +93,9 @@ class BeamSearch:
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_new_tokens = max_new_tokens  # params.max_tokens, capped by the model's context
-        self.num_candidates = max(2, 1 + len(self.eos_token_ids)) * params.beam_width
+        # HF generate(num_beams=1) is greedy search: one candidate, and the first end stops it.
+        width = params.beam_width
+        self.num_candidates = 1 if width == 1 else max(2, 1 + len(self.eos_token_ids)) * width
         self._num_forks = 0
         self._reset_state()
 
@@ -137,7 +141,7 @@ class BeamSearch:
         keep = [i for i in range(len(ends)) if not ends[i]][:k]  # HF: topk over masked scores
         self._num_generated = num_generated
         self._scores = top_scores[keep]
-        if at_max_length or self._should_stop():
+        if at_max_length or not keep or self._should_stop():
             self._end(parents)
             return True
         self._advance([(parent_of[i], token_of[i]) for i in keep], parents)

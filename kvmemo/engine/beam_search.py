@@ -43,14 +43,18 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+            raise ValueError(
+                f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}"
+            )
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        ok = isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-        if not ok or not math.isfinite(self.length_penalty):
+        penalty = self.length_penalty
+        ok = isinstance(penalty, (int, float)) and not isinstance(penalty, bool)
+        if not ok or not math.isfinite(penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never") or not isinstance(self.early_stopping, (bool, str)):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        early = self.early_stopping
+        if not isinstance(early, (bool, str)) or early not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {early!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -172,7 +176,8 @@ class BeamSearch:
             if isinstance(entry, int):
                 token = token_of[entry]
                 request = self._fork(parents[parent_of[entry]], token)
-                entry = FinishedBeam(request, float(top_scores[entry]), score, token in self.eos_token_ids)
+                ended_with_eos = token in self.eos_token_ids
+                entry = FinishedBeam(request, float(top_scores[entry]), score, ended_with_eos)
             finished.append(entry)
         self.finished = finished
 

@@ -128,7 +128,8 @@ class ModelRunner:
         ordered = {rid: [row for _, row in sorted(pairs)] for rid, pairs in rows_of.items()}
         beam_rows = [row for rows in ordered.values() for row in rows]
         device = logits.device
-        logprobs = torch.log_softmax(logits[torch.tensor(beam_rows, device=device)], dim=-1)  # [B, vocab]
+        rows = torch.tensor(beam_rows, device=device)
+        logprobs = torch.log_softmax(logits[rows], dim=-1)  # [num beam rows, vocab]
         beam_logprobs = dict(zip(ordered, logprobs.split([len(rows) for rows in ordered.values()])))
         rest = logits[torch.tensor(sample_rows, dtype=torch.int64, device=device)]
         return rest, [sampling[row] for row in sample_rows], beam_logprobs

@@ -102,8 +102,8 @@ class Scheduler:
         )
         if blocks_needed > self.kv.num_blocks:
             raise ValueError(
-                f"beam search with beam_width {width} may need {blocks_needed} KV blocks but the KV "
-                f"cache holds only {self.kv.num_blocks}; lower beam_width or max_tokens"
+                f"beam search with beam_width {width} may need {blocks_needed} KV blocks but "
+                f"the KV cache holds only {self.kv.num_blocks}; lower beam_width or max_tokens"
             )
 
     @property
@@ -318,8 +318,10 @@ class Scheduler:
             if search.step(logprobs):
                 request = self.requests[request_id]
                 best = search.finished[0] if search.finished else None
-                ended_with_eos = best is not None and best.ended_with_eos
-                request.status = RequestStatus.FINISHED_STOPPED if ended_with_eos else RequestStatus.FINISHED_LENGTH
+                stopped = best is not None and best.ended_with_eos
+                request.status = (
+                    RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH
+                )
                 touched.append(request)
                 self._release(request)
         return touched

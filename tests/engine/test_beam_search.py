@@ -19,7 +19,9 @@ pytestmark = pytest.mark.model
 SCORE_ATOL = 1e-3  # logits agree to ~2e-3 (test_hf_parity); summed scores agree far closer
 
 
-def hf_beam_search(hf_model, prompt_ids: list[int], k: int, max_tokens: int, **options) -> list[tuple[list[int], float]]:
+def hf_beam_search(
+    hf_model, prompt_ids: list[int], k: int, max_tokens: int, **options
+) -> list[tuple[list[int], float]]:
     """HF's returned beams, best first: (generated token ids, the final EOS included; score)."""
     with torch.inference_mode():
         out = hf_model.generate(
@@ -162,7 +164,8 @@ def test_beam_search_runs_beside_sampled_requests(llm, raw_prompt_ids):
             if out.finished:
                 done[out.request_id] = out
     assert done["mixed-greedy"].outputs[0].token_ids == alone
-    assert [c.token_ids for c in done["mixed-beam"].outputs] == [c.token_ids for c in expected.outputs]
+    got_beams = [c.token_ids for c in done["mixed-beam"].outputs]
+    assert got_beams == [c.token_ids for c in expected.outputs]
     assert_all_blocks_free(llm)
 
 

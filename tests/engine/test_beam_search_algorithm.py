@@ -29,7 +29,10 @@ def frequent_tokens(model, prompt: list[int], count: int) -> list[int]:
     return torch.topk(logprobs_of(model, [prompt])[0], count + 1).indices[1:].tolist()
 
 
-def run_kvmemo(model, prompt, params: BeamSearchParams, eos: list[int]) -> list[tuple[list[int], float]]:
+Beams = list[tuple[list[int], float]]
+
+
+def run_kvmemo(model, prompt, params: BeamSearchParams, eos: list[int]) -> Beams:
     manager = make_manager(num_blocks=512, block_size=4)
     root = make_request("root", prompt)
     search = BeamSearch(root, params, manager, eos_token_ids=eos, max_new_tokens=params.max_tokens)
@@ -47,7 +50,7 @@ def run_kvmemo(model, prompt, params: BeamSearchParams, eos: list[int]) -> list[
     return [(f.request.output_token_ids, f.score) for f in search.finished]
 
 
-def run_hf(model, prompt, params: BeamSearchParams, eos: list[int]) -> list[tuple[list[int], float]]:
+def run_hf(model, prompt, params: BeamSearchParams, eos: list[int]) -> Beams:
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),
@@ -101,15 +104,20 @@ def case_inputs(model, seed: int, num_eos: int) -> tuple[list[int], list[int]]:
     return prompt, eos
 
 
-@pytest.mark.parametrize(("seed", "width", "max_tokens", "length_penalty", "early_stopping", "num_eos"), CASES)
-def test_driver_matches_hf_generate(tiny, seed, width, max_tokens, length_penalty, early_stopping, num_eos):
+@pytest.mark.parametrize(
+    ("seed", "width", "max_tokens", "length_penalty", "early_stopping", "num_eos"), CASES
+)
+def test_driver_matches_hf_generate(
+    tiny, seed, width, max_tokens, length_penalty, early_stopping, num_eos
+):
     prompt, eos = case_inputs(tiny, seed, num_eos)
     params = BeamSearchParams(width, max_tokens, length_penalty, early_stopping)
     got = run_kvmemo(tiny, prompt, params, eos)
     expected = run_hf(tiny, prompt, params, eos)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     if width > 1:
-        assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-4)
+        expected_scores = [score for _, score in expected]
+        assert [score for _, score in got] == pytest.approx(expected_scores, abs=1e-4)
 
 
 def test_some_cases_end_beams_before_max_tokens(tiny):
@@ -118,7 +126,8 @@ def test_some_cases_end_beams_before_max_tokens(tiny):
     for seed, width, max_tokens, length_penalty, early_stopping, num_eos in CASES[:4]:
         prompt, eos = case_inputs(tiny, seed, num_eos)
         params = BeamSearchParams(width, max_tokens, length_penalty, early_stopping)
-        num_short += sum(len(tokens) < max_tokens for tokens, _ in run_hf(tiny, prompt, params, eos))
+        beams = run_hf(tiny, prompt, params, eos)
+        num_short += sum(len(tokens) < max_tokens for tokens, _ in beams)
     assert num_short > 0
 
 
@@ -147,4 +156,6 @@ def test_bad_params_are_value_errors_naming_the_field(field, value):
 
 def test_good_params():
     for early_stopping in (True, False, "never"):
-        BeamSearchParams(beam_width=1, max_tokens=1, length_penalty=-2, early_stopping=early_stopping)
+        BeamSearchParams(
+            beam_width=1, max_tokens=1, length_penalty=-2, early_stopping=early_stopping
+        )

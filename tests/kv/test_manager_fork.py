@@ -14,6 +14,9 @@ from kvmemo.request import Request
 from tests.kv.kv_testing import admit, finish_step, make_manager, make_request, ref_counts
 
 
+Memory = dict[int, list[int | None]]  # block id -> the token whose KV each slot holds
+
+
 def child_of(parent: Request, request_id: str, token: int) -> Request:
     """A beam continuing `parent` with `token` (whose KV is not computed yet)."""
     return Request(
@@ -91,7 +94,8 @@ def test_fork_shares_blocks_and_copies_the_partial_tail_on_write() -> None:
     manager.check_invariants()
     events = manager.take_events()
     assert [type(e) for e in events] == [BlockStored]
-    assert events[0].token_ids == (8, 9, 100, 102) and events[0].parent_block_hash == root.block_hashes[1]
+    assert events[0].token_ids == (8, 9, 100, 102)
+    assert events[0].parent_block_hash == root.block_hashes[1]
     assert manager.num_free_blocks == 10
     # Pruned first (tail first), the final beam last: its blocks are evicted last.
     assert manager.block_pool.free_block_ids() == [6, 7, 8, 9, 5, 2, 4, 3, 1, 0]
@@ -145,14 +149,15 @@ def test_random_beam_search_keeps_every_beams_kv(seed: int) -> None:
     manager = make_manager(
         num_blocks=64, block_size=block_size, enable_events=True, enable_caching=seed % 3 != 0
     )
-    memory: dict[int, list[int | None]] = {b: [None] * block_size for b in range(64)}
+    memory: Memory = {b: [None] * block_size for b in range(64)}
     root = make_request("root", [rng.randrange(50) for _ in range(rng.randrange(1, 11))])
     admit(manager, root)
     run_copies(manager, memory)
     write(manager, memory, root, 0)
     finish_step(manager, root)
     ids = iter(range(10_000))
-    beams = [fork(manager, root, f"b{next(ids)}", rng.randrange(50)) for _ in range(rng.randint(1, 4))]
+    num_beams = rng.randint(1, 4)
+    beams = [fork(manager, root, f"b{next(ids)}", rng.randrange(50)) for _ in range(num_beams)]
     manager.free(root)
     manager.check_invariants()
     for _ in range(rng.randrange(1, 14)):
@@ -165,7 +170,9 @@ def test_random_beam_search_keeps_every_beams_kv(seed: int) -> None:
             beam.num_computed_tokens = beam.num_tokens
         for beam in beams:
             table = manager.get_block_table(beam.request_id)
-            stored = [memory[table[p // block_size]][p % block_size] for p in range(beam.num_tokens)]
+            stored = [
+                memory[table[p // block_size]][p % block_size] for p in range(beam.num_tokens)
+            ]
             assert stored == beam.all_token_ids
         # Next generation: each new beam continues a random parent; parents left out are pruned.
         parents = [rng.choice(beams) for _ in range(rng.randint(1, 4))]
@@ -185,19 +192,20 @@ def test_random_beam_search_keeps_every_beams_kv(seed: int) -> None:
             if beam.num_tokens == beam.num_computed_tokens:
                 beam.append_output_token(rng.randrange(50))
         beams = next_beams
-    assert all(not isinstance(e, BlockStored) or len(e.token_ids) == block_size for e in manager.take_events())
+    events = manager.take_events()
+    assert all(not isinstance(e, BlockStored) or len(e.token_ids) == block_size for e in events)
     final, pruned = beams[:1], beams[1:]
     manager.finish_beams(final, pruned)
     manager.check_invariants()
     assert manager.num_free_blocks == 64
 
 
-def run_copies(manager: KVCacheManager, memory: dict[int, list[int | None]]) -> None:
+def run_copies(manager: KVCacheManager, memory: Memory) -> None:
     for copy in manager.take_copies():
         memory[copy.dst_block_id][: copy.num_tokens] = memory[copy.src_block_id][: copy.num_tokens]
 
 
-def write(manager: KVCacheManager, memory: dict[int, list[int | None]], request: Request, start: int) -> None:
+def write(manager: KVCacheManager, memory: Memory, request: Request, start: int) -> None:
     """The forward's KV write (here: the token itself) for positions start.. of `request`."""
     table = manager.get_block_table(request.request_id)
     size = manager.block_size

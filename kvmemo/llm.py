@@ -7,7 +7,8 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -42,8 +43,7 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many (strings or token-id lists)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         items = [(p, None) for p in prompts]
         return self._run(items, sampling_params, use_tqdm, cache_salt)
 
@@ -81,26 +81,14 @@ class LLM:
         beams, best score first, each with token_ids (the final EOS included), text,
         cumulative_logprob and score. All prompts' beams run batched, one forward per step."""
         params = BeamSearchParams(beam_width, max_tokens, length_penalty, early_stopping)
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         self._batch_ids += 1
-        ids: list[str] = []
-        try:
-            for i, prompt in enumerate(prompts):
-                rid = f"b{self._batch_ids}-{i}"
-                self.engine.add_beam_request(prompt, params, request_id=rid, cache_salt=cache_salt)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="beam search", disable=not use_tqdm, unit="req") as bar:
-            while len(finished) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in ids:
-                        finished[out.request_id] = out
-                        bar.update(1)
+        ids = [f"b{self._batch_ids}-{i}" for i in range(len(prompts))]
+        submissions = [
+            (rid, partial(self.engine.add_beam_request, prompt, params, cache_salt=cache_salt))
+            for rid, prompt in zip(ids, prompts)
+        ]
+        finished = self._submit_and_wait(submissions, "beam search", use_tqdm)
         return [finished[rid] for rid in ids]
 
     def get_metrics(self) -> dict[str, float | int]:
@@ -126,26 +114,49 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(items))
         self._batch_ids += 1
         groups: dict[str, tuple[int, int]] = {}  # sequence id -> (prompt index, sample index)
+        submissions: list[tuple[str, Callable[..., str]]] = []
+        for i, ((prompt, text), p) in enumerate(zip(items, params)):
+            for j in range(p.n):
+                # n samples are n sequences; a seeded prompt gives each sample its own seed.
+                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                rid = f"b{self._batch_ids}-{i}-{j}"
+                groups[rid] = (i, j)
+                add = partial(self.engine.add_request, prompt, child, cache_salt=cache_salt, prompt_text=text)
+                submissions.append((rid, add))
+        finished = self._submit_and_wait(submissions, "requests", use_tqdm)
+        return _group_samples(finished, groups, len(items))
+
+
+    def _submit_and_wait(
+        self, submissions: list[tuple[str, Callable[..., str]]], desc: str, use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
+        """Adds every request (`add(request_id=...)`), aborting those added if one fails, then
+        steps the engine until all of them finished. Returns their final outputs by id."""
+        added: list[str] = []
         try:
-            for i, ((prompt, text), p) in enumerate(zip(items, params)):
-                for j in range(p.n):
-                    # n samples are n sequences; a seeded prompt gives each sample its own seed.
-                    child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                    rid = f"b{self._batch_ids}-{i}-{j}"
-                    self.engine.add_request(prompt, child, request_id=rid, cache_salt=cache_salt, prompt_text=text)
-                    groups[rid] = (i, j)
+            for rid, add in submissions:
+                add(request_id=rid)
+                added.append(rid)
         except Exception:
-            for rid in groups:
+            for rid in added:
                 self.engine.abort_request(rid)
             raise
+        wanted = set(added)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(groups), desc="requests", disable=not use_tqdm, unit="req") as bar:
-            while len(finished) < len(groups):
+        with tqdm(total=len(added), desc=desc, disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < len(added):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in groups:
+                    if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
-        return _group_samples(finished, groups, len(items))
+        return finished
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """One prompt (a string or a token-id list) becomes a list of one."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
 
 
 def _per_prompt_params(

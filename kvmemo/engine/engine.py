@@ -148,17 +148,8 @@ class Engine:
     ) -> str:
         """Tokenize, validate and queue one sequence. Returns its request id."""
         params = params or SamplingParams()
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        token_ids = self.processor.encode_prompt(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            cache_salt=cache_salt,
-            eos_token_ids=self.eos_token_ids,
-        )
+        request = self._new_request(prompt, params, request_id, cache_salt)
+        request_id = request.request_id
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
@@ -181,24 +172,16 @@ class Engine:
         its one RequestOutput comes when it finishes, with the beams best first."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        token_ids = self.processor.encode_prompt(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        root = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            # Only max_tokens matters to the scheduler; beams never go through the sampler.
-            sampling_params=SamplingParams(max_tokens=params.max_tokens, temperature=0.0),
-            cache_salt=cache_salt,
-            eos_token_ids=self.eos_token_ids,
-        )
+        # Only max_tokens matters to the scheduler; beams never go through the sampler.
+        root_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
+        root = self._new_request(prompt, root_params, request_id, cache_salt)
+        request_id = root.request_id
         search = BeamSearch(
             root,
             params,
             self.kv_manager,
             eos_token_ids=self.eos_token_ids,
-            max_new_tokens=min(params.max_tokens, self.max_model_len - len(token_ids)),
+            max_new_tokens=min(params.max_tokens, self.max_model_len - root.num_prompt_tokens),
         )
         if search.num_candidates > self.loaded.arch_config.vocab_size:
             raise ValueError(
@@ -214,6 +197,23 @@ class Engine:
             beam_search=search,
         )
         return request_id
+
+    def _new_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+    ) -> Request:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=self.processor.encode_prompt(prompt),
+            sampling_params=params,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

@@ -152,6 +152,28 @@ Throughput, prefix-aware over round robin (best runs): {ratios}.
 """
 
 
+def beam_search_section(r: dict) -> str:
+    m, s = r["machine"], r["setup"]
+    return f"""## Beam search (`benchmarks/bench_beam_search.py`)
+
+Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']};
+commit {m['commit']}, {m['date']}. {s['num_prompts']} prompts ({s['prompt_tokens']} tokens, each
+starting with the same {s.get('context_tokens', 0)} filler tokens),
+beam_width {s['beam_width']}, max_tokens {s['max_tokens']}, fp32, block size {s['block_size']};
+runs interleaved in one process, best of {s['reps']}.
+
+| measurement | value |
+|---|---|
+| kvmemo `LLM.beam_search`, all prompts batched | {r['kvmemo_beam_wall_s']} s ({r['num_steps']} steps) |
+| HF `generate(num_beams={s['beam_width']})`, one prompt at a time | {r['hf_beam_wall_s']} s |
+| HF / kvmemo wall time | {r['hf_over_kvmemo']}x |
+| kvmemo greedy `generate` on the same prompts | {r['kvmemo_greedy_wall_s']} s (beam / greedy {r['beam_over_greedy']}x) |
+| peak KV blocks in use (beams share blocks copy-on-write) | {r['peak_blocks_used']} |
+| blocks if every beam held its own copy of prompt + output (no forks, no prefix cache; computed) | {r['blocks_without_sharing']} |
+| returned beams equal HF's | {r['beams_equal_hf']} |
+"""
+
+
 def peers_section() -> str:
     """Side-by-side table (benchmarks/run_suite.py results) and the charts plot.py drew."""
     import sys
@@ -189,6 +211,7 @@ SECTIONS = (
     ("core.json", core_section),
     ("attention.json", attention_section),
     ("fp8_kv.json", fp8_section),
+    ("beam_search.json", beam_search_section),
     ("multimodal.json", multimodal_section),
     ("router.json", router_section),
 )

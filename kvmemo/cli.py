@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "place them, or they go first when it has none",
     )
     gen.add_argument("--json", action="store_true", help="print a JSON object with text, tokens and metrics")
+    gen.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams (HF semantics, greedy); prints every beam, best first (default: off)")
     _add_sampling_flags(gen)
     _add_engine_flags(gen)
     chat = sub.add_parser("chat", help="interactive multi-turn chat (the conversation's KV is reused every turn)")
@@ -113,6 +114,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvmemo.llm import LLM
 
     params = _sampling_params(args)
+    if args.beam_width is not None:
+        return _cmd_beam_search(args, params)
     llm = LLM(args.model, **_engine_options(args))
     images = args.image or []
     if args.chat:
@@ -141,6 +144,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         }))
     else:
         print(completion.text)
+    return 0
+
+
+def _cmd_beam_search(args: argparse.Namespace, params) -> int:
+    from kvmemo.engine.beam_search import BeamSearchParams
+    from kvmemo.llm import LLM
+
+    if not params.is_greedy or params.top_p < 1.0 or params.top_k or params.seed is not None or params.stop:
+        raise ValueError("--beam-width is deterministic: drop --temperature, --top-p, --top-k, --seed and --stop")
+    BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)  # fail before loading
+    llm = LLM(args.model, **_engine_options(args))
+    prompt = llm.engine.processor.encode_chat([{"role": "user", "content": args.prompt}])[1] if args.chat else args.prompt
+    out = llm.beam_search(prompt, beam_width=args.beam_width, max_tokens=args.max_tokens, use_tqdm=False)[0]
+    beams = [
+        {"text": c.text, "token_ids": c.token_ids, "score": c.score, "cumulative_logprob": c.cumulative_logprob,
+         "finish_reason": c.finish_reason}
+        for c in out.outputs
+    ]
+    if args.json:
+        print(json.dumps({"beams": beams, "prompt_tokens": out.metrics.num_prompt_tokens,
+                          "cached_prompt_tokens": out.metrics.num_cached_tokens, "latency_s": out.metrics.latency_s}))
+    else:
+        for i, beam in enumerate(beams):
+            print(f"[beam {i}, score {beam['score']:.4f}] {beam['text']}")
     return 0
 
 

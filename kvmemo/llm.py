@@ -7,11 +7,13 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
 from kvmemo.config import EngineConfig
+from kvmemo.engine.beam_search import BeamSearchParams
 from kvmemo.engine.engine import Engine
 from kvmemo.engine.processor import ProcessedPrompt
 from kvmemo.outputs import RequestOutput
@@ -43,11 +45,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one prompt or many: strings, token-id lists, or (multimodal models)
         {"prompt": "USER: <image>\\nWhat is this?", "images": [PIL image | path | bytes, ...]}."""
-        if (
-            isinstance(prompts, (str, dict))
-            or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-        ):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         items = [(self._process(p) if isinstance(p, dict) else p, None) for p in prompts]
         return self._run(items, sampling_params, use_tqdm, cache_salt)
 
@@ -85,6 +83,33 @@ class LLM:
             items.append((processed, processed.text))
         return self._run(items, sampling_params, use_tqdm, cache_salt)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        beam_width: int = 4,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Beam search for one prompt or many, equal to HF `generate(num_beams=beam_width,
+        do_sample=False, max_new_tokens=max_tokens, length_penalty=..., early_stopping=...,
+        num_return_sequences=beam_width)`. outputs[i].outputs holds prompt i's beam_width finished
+        beams, best score first, each with token_ids (the final EOS included), text,
+        cumulative_logprob and score. All prompts' beams run batched, one forward per step."""
+        params = BeamSearchParams(beam_width, max_tokens, length_penalty, early_stopping)
+        prompts = _as_prompt_list(prompts)
+        self._batch_ids += 1
+        ids = [f"b{self._batch_ids}-{i}" for i in range(len(prompts))]
+        submissions = [
+            (rid, partial(self.engine.add_beam_request, prompt, params, cache_salt=cache_salt))
+            for rid, prompt in zip(ids, prompts)
+        ]
+        finished = self._submit_and_wait(submissions, "beam search", use_tqdm)
+        return [finished[rid] for rid in ids]
+
     def get_metrics(self) -> dict[str, float | int]:
         """Prefix-cache and scheduler counters since start (tokens, blocks, hit rate)."""
         return self.engine.get_metrics()
@@ -108,26 +133,49 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(items))
         self._batch_ids += 1
         groups: dict[str, tuple[int, int]] = {}  # sequence id -> (prompt index, sample index)
+        submissions: list[tuple[str, Callable[..., str]]] = []
+        for i, ((prompt, text), p) in enumerate(zip(items, params)):
+            for j in range(p.n):
+                # n samples are n sequences; a seeded prompt gives each sample its own seed.
+                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                rid = f"b{self._batch_ids}-{i}-{j}"
+                groups[rid] = (i, j)
+                add = partial(self.engine.add_request, prompt, child, cache_salt=cache_salt, prompt_text=text)
+                submissions.append((rid, add))
+        finished = self._submit_and_wait(submissions, "requests", use_tqdm)
+        return _group_samples(finished, groups, len(items))
+
+
+    def _submit_and_wait(
+        self, submissions: list[tuple[str, Callable[..., str]]], desc: str, use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
+        """Adds every request (`add(request_id=...)`), aborting those added if one fails, then
+        steps the engine until all of them finished. Returns their final outputs by id."""
+        added: list[str] = []
         try:
-            for i, ((prompt, text), p) in enumerate(zip(items, params)):
-                for j in range(p.n):
-                    # n samples are n sequences; a seeded prompt gives each sample its own seed.
-                    child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                    rid = f"b{self._batch_ids}-{i}-{j}"
-                    self.engine.add_request(prompt, child, request_id=rid, cache_salt=cache_salt, prompt_text=text)
-                    groups[rid] = (i, j)
+            for rid, add in submissions:
+                add(request_id=rid)
+                added.append(rid)
         except Exception:
-            for rid in groups:
+            for rid in added:
                 self.engine.abort_request(rid)
             raise
+        wanted = set(added)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(groups), desc="requests", disable=not use_tqdm, unit="req") as bar:
-            while len(finished) < len(groups):
+        with tqdm(total=len(added), desc=desc, disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < len(added):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in groups:
+                    if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
-        return _group_samples(finished, groups, len(items))
+        return finished
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """One prompt (a string, a token-id list or an image prompt dict) becomes a list of one."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
 
 
 def _per_prompt_params(

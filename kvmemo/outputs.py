@@ -17,6 +17,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Per generated token: {token_id: logprob} holding the sampled token and the top-k.
     logprobs: list[dict[int, float]] | None = None
+    # Beam search: the sum of the generated tokens' logprobs, and the beam's ranking score
+    # cumulative_logprob / len(token_ids) ** length_penalty (None for sampled outputs).
+    cumulative_logprob: float | None = None
+    score: float | None = None
 
     @property
     def finished(self) -> bool:

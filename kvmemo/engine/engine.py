@@ -21,6 +21,7 @@ from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
 from kvmemo.config import EngineConfig, parse_size_bytes
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.connector.tiered import TierStats, TieredStore
+from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.model_runner import ModelRunner
@@ -56,6 +57,7 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None
+    beam_search: BeamSearch | None = None
 
 
 class Engine:
@@ -168,19 +170,8 @@ class Engine:
         A ProcessedPrompt (from self.processor.process / process_chat) carries images.
         """
         params = params or SamplingParams()
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=processed.token_ids,
-            sampling_params=params,
-            mm_items=list(processed.mm_items),
-            mm_data=list(processed.mm_data),
-            cache_salt=cache_salt,
-            eos_token_ids=self.eos_token_ids,
-        )
+        request = self._new_request(prompt, params, request_id, cache_salt)
+        request_id = request.request_id
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
@@ -189,6 +180,65 @@ class Engine:
             logprobs=[] if params.logprobs is not None else None,
         )
         return request_id
+
+    def add_beam_request(
+        self,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Tokenize, validate and queue one beam search (see BeamSearch). Returns its request id;
+        its one RequestOutput comes when it finishes, with the beams best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        # Only max_tokens matters to the scheduler; beams never go through the sampler.
+        root_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
+        root = self._new_request(prompt, root_params, request_id, cache_salt)
+        request_id = root.request_id
+        search = BeamSearch(
+            root,
+            params,
+            self.kv_manager,
+            eos_token_ids=self.eos_token_ids,
+            max_new_tokens=min(params.max_tokens, self.max_model_len - root.num_prompt_tokens),
+        )
+        if search.num_candidates > self.loaded.arch_config.vocab_size:
+            raise ValueError(
+                f"beam_width {params.beam_width} is too large for a vocabulary of "
+                f"{self.loaded.arch_config.vocab_size} tokens"
+            )
+        self.scheduler.add_request(root, search)
+        self._tracked[request_id] = _Tracked(
+            request=root,
+            prompt=prompt if isinstance(prompt, str) else prompt_text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ()),
+            logprobs=None,
+            beam_search=search,
+        )
+        return request_id
+
+    def _new_request(
+        self,
+        prompt: str | list[int] | ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+    ) -> Request:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.processor.process(prompt)
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=processed.token_ids,
+            sampling_params=params,
+            mm_items=list(processed.mm_items),
+            mm_data=list(processed.mm_data),
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -205,12 +255,16 @@ class Engine:
         result = self.runner.execute(output)
         self.num_steps += 1
         sampled = {rid: t.token_id for rid, t in result.sampled.items()}
-        touched = self.scheduler.update_from_output(output, sampled)
+        touched = self.scheduler.update_from_output(output, sampled, result.beam_logprobs)
         self._publish_kv_events()
         now = time.monotonic()
         outputs = []
         for request in touched:
             tracked = self._tracked[request.request_id]
+            if tracked.beam_search is not None:  # touched only when it finished
+                outputs.append(self._make_beam_output(tracked, now))
+                del self._tracked[request.request_id]
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             token = result.sampled[request.request_id]
@@ -252,6 +306,26 @@ class Engine:
             finished=request.is_finished,
             metrics=metrics,
         )
+
+    def _make_beam_output(self, tracked: _Tracked, now: float) -> RequestOutput:
+        request, search = tracked.request, tracked.beam_search
+        assert search is not None
+        request.first_token_time = request.first_token_time or now
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(beam.request.output_token_ids, skip_special_tokens=True),
+                token_ids=list(beam.request.output_token_ids),
+                finish_reason="stop" if beam.ended_with_eos else "length",
+                stop_reason=beam.request.output_token_ids[-1] if beam.ended_with_eos else None,
+                cumulative_logprob=beam.cumulative_logprob,
+                score=beam.score,
+            )
+            for i, beam in enumerate(search.finished)
+        ]
+        out = self._make_output(tracked, now)
+        out.outputs = completions
+        return out
 
     def get_metrics(self) -> dict[str, float | int]:
         stats = self.kv_manager.stats

@@ -8,7 +8,7 @@ before attention reads them; logits are computed only for positions that sample.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken]  # request_id -> its new token, for sequences that sampled
+    # Beam search: request_id -> [num beams, vocab] fp32 log_softmax rows, in beam_index order.
+    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -81,6 +83,7 @@ class ModelRunner:
             block_size=self.kv_cache.block_size,
             num_cache_blocks=self.kv_cache.num_blocks,
             request_ids=[s.request_id for s in seqs],
+            beam_indices=[s.beam_index or 0 for s in seqs],
             device=self.device,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
@@ -97,12 +100,39 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float()  # [N, vocab]
         if self.capture_logits:
             self.last_logits = logits.clone()
+        beam_logprobs: dict[str, torch.Tensor] = {}
+        if any(seqs[i].beam_index is not None for i in sampling):
+            logits, sampling, beam_logprobs = self._split_beams(logits, sampling, seqs)
         tokens = self.sampler.sample(
             logits,
             [seqs[i].sampling_params for i in sampling],
             [seqs[i].num_output_tokens for i in sampling],
-        )
-        return ModelRunnerOutput(sampled={seqs[i].request_id: t for i, t in zip(sampling, tokens)})
+        ) if sampling else []
+        sampled = {seqs[i].request_id: t for i, t in zip(sampling, tokens)}
+        return ModelRunnerOutput(sampled=sampled, beam_logprobs=beam_logprobs)
+
+    @staticmethod
+    def _split_beams(
+        logits: torch.Tensor, sampling: list[int], seqs: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, list[int], dict[str, torch.Tensor]]:
+        """Beam rows become per-request [num beams, vocab] log_softmax (fp32, as HF's beam
+        search); returns the logits left to sample, their sequence indices, and the beam rows."""
+        rows_of: dict[str, list[tuple[int, int]]] = {}
+        sample_rows: list[int] = []
+        for row, i in enumerate(sampling):
+            beam = seqs[i].beam_index
+            if beam is None:
+                sample_rows.append(row)
+            else:
+                rows_of.setdefault(seqs[i].request_id, []).append((beam, row))
+        ordered = {rid: [row for _, row in sorted(pairs)] for rid, pairs in rows_of.items()}
+        beam_rows = [row for rows in ordered.values() for row in rows]
+        device = logits.device
+        rows = torch.tensor(beam_rows, device=device)
+        logprobs = torch.log_softmax(logits[rows], dim=-1)  # [num beam rows, vocab]
+        beam_logprobs = dict(zip(ordered, logprobs.split([len(rows) for rows in ordered.values()])))
+        rest = logits[torch.tensor(sample_rows, dtype=torch.int64, device=device)]
+        return rest, [sampling[row] for row in sample_rows], beam_logprobs
 
     def _multimodal_embeds(
         self, seqs: list[ScheduledSequence], ids: torch.Tensor, metadata: AttentionMetadata

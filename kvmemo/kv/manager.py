@@ -231,8 +231,11 @@ class KVCacheManager:
         # the new blocks, taken from the free queue like a fresh one.
         num_free_hits = sum(block.ref_count == 0 for block in hits)
         num_free = self.block_pool.num_free_blocks
-        if num_new_blocks + num_free_hits > num_free:
+        shared_tail = self._shared_tail(state, num_computed) if num_new_tokens > 0 else None
+        if num_new_blocks + num_free_hits + (shared_tail is not None) > num_free:
             return None
+        if shared_tail is not None:
+            self._copy_on_write(state, shared_tail, num_computed % self.block_size)
         if prefix is not None:
             self._check_fresh(request, prefix)
 
@@ -267,6 +270,27 @@ class KVCacheManager:
             self._record_query(request, prefix)
         state.blocks.extend(new_blocks)
         return block_ids(new_blocks)
+
+    def _shared_tail(self, state: _RequestBlocks | None, num_computed: int) -> int | None:
+        """Index of the partially filled block the next token writes into, if a fork shares it."""
+        offset = num_computed % self.block_size
+        if state is None or offset == 0:
+            return None
+        index = num_computed // self.block_size
+        return index if state.blocks[index].ref_count > 1 else None
+
+    def _copy_on_write(self, state: _RequestBlocks, index: int, num_tokens: int) -> None:
+        """Replaces the shared partial block `index` by a fresh private copy of its first slots.
+
+        The other holders keep the source (its ref_count drops by one); the copy runs before the
+        step's forward, so it reads the source before any holder writes past num_tokens.
+        """
+        source = state.blocks[index]
+        (copy,) = self.block_pool.get_new_blocks(1)
+        self._partial.discard(copy)
+        self._copies.append(BlockCopy(source.block_id, copy.block_id, num_tokens))
+        state.blocks[index] = copy
+        self.block_pool.free_blocks([source])
 
     def _check_fresh(self, request: Request, prefix: PrefixMatch) -> None:
         """Asserts `prefix` is still valid: no allocation evicted its blocks since the match."""
@@ -346,6 +370,54 @@ class KVCacheManager:
         state = self._requests.pop(request.request_id, None)
         if state is not None:
             self.block_pool.free_blocks(reversed(state.blocks))
+
+    # ---- beams: fork copy-on-write, publish only the winners -------------------------------
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives `child` the parent's blocks covering child.num_computed_tokens, by reference.
+
+        Full blocks and a partially filled last block alike are shared (ref_count += 1): the
+        first holder to write into a shared partial block gets a private copy in allocate_slots
+        (copy-on-write), the last one writes in place. A shared partial block leaves the partial
+        index (a partial-reuse source has a single owner). Allocates nothing, so it cannot fail
+        for capacity; child.block_hashes must equal the parent's over the shared full blocks.
+
+        Raises:
+            ValueError: if the child already holds blocks or the parent's blocks do not cover
+                child.num_computed_tokens.
+        """
+        state = self._requests.get(parent.request_id)
+        num_tokens = child.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        if state is None or len(state.blocks) < num_blocks or num_tokens > parent.num_tokens:
+            raise ValueError(
+                f"fork of {parent.request_id!r} needs parent blocks covering the child's "
+                f"{num_tokens} computed tokens"
+            )
+        if child.request_id in self._requests:
+            raise ValueError(f"fork child {child.request_id!r} already holds blocks")
+        blocks = state.blocks[:num_blocks]
+        self.block_pool.touch(blocks)
+        if num_tokens % self.block_size:
+            self._partial.discard(blocks[-1])
+        num_committed = min(state.num_committed_blocks, num_tokens // self.block_size)
+        self._requests[child.request_id] = _RequestBlocks(child, list(blocks), num_committed)
+
+    def finish_beams(self, final: Sequence[Request], pruned: Sequence[Request]) -> None:
+        """Ends a beam search: publishes the final beams' full blocks, then frees every beam.
+
+        Beams skip commit() while they run, so a pruned beam never advertised a block. Here each
+        final beam commits the full blocks of its computed tokens (shared blocks once, stored
+        once), then the pruned beams are freed, then the final ones, best (first) last, so the
+        winner's tail is evicted last. One call, so the invariants hold before and after.
+        """
+        for request in final:
+            state = self._requests[request.request_id]
+            num_full_tokens = request.num_computed_tokens // self.block_size * self.block_size
+            if num_full_tokens // self.block_size > state.num_committed_blocks:
+                self.commit(request, num_full_tokens)
+        for request in [*pruned, *reversed(final)]:
+            self.free(request)
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's block ids in order ([] for a request that holds no blocks)."""

@@ -175,7 +175,7 @@ class Engine:
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
-            prompt=prompt if isinstance(prompt, str) else (prompt_text or processed.text),
+            prompt=prompt if isinstance(prompt, str) else (prompt_text or _processed_text(prompt)),
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -429,6 +429,10 @@ def _tier_stats(connector: StoreKVConnector) -> list[TierStats]:
     name = "redis" if hasattr(store, "url") else "disk"
     s = store.stats
     return [TierStats(name, s.num_hits, s, getattr(store, "num_errors", 0))]
+
+
+def _processed_text(prompt: list[int] | ProcessedPrompt) -> str | None:
+    return prompt.text if isinstance(prompt, ProcessedPrompt) else None
 
 
 def _build_kv_connector(

@@ -115,6 +115,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     if args.beam_width is not None:
+        if args.image:
+            raise ValueError("--image is not supported with --beam-width yet; drop one of them")
         return _cmd_beam_search(args, params)
     llm = LLM(args.model, **_engine_options(args))
     images = args.image or []

@@ -100,7 +100,7 @@ class LLM:
         beams, best score first, each with token_ids (the final EOS included), text,
         cumulative_logprob and score. All prompts' beams run batched, one forward per step."""
         params = BeamSearchParams(beam_width, max_tokens, length_penalty, early_stopping)
-        prompts = _as_prompt_list(prompts)
+        prompts = [self._process(p) if isinstance(p, dict) else p for p in _as_prompt_list(prompts)]
         self._batch_ids += 1
         ids = [f"b{self._batch_ids}-{i}" for i in range(len(prompts))]
         submissions = [
@@ -145,7 +145,6 @@ class LLM:
         finished = self._submit_and_wait(submissions, "requests", use_tqdm)
         return _group_samples(finished, groups, len(items))
 
-
     def _submit_and_wait(
         self, submissions: list[tuple[str, Callable[..., str]]], desc: str, use_tqdm: bool
     ) -> dict[str, RequestOutput]:
@@ -172,8 +171,11 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
-    """One prompt (a string, a token-id list or an image prompt dict) becomes a list of one."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    """One prompt (a string, a token-id list, an image prompt dict or a ProcessedPrompt)
+    becomes a list of one."""
+    if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
         return [prompts]
     return prompts
 

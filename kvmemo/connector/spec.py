@@ -85,14 +85,13 @@ def _parse_redis(spec: str) -> KVStoreSpec:
     for key, value in _options(spec, query):
         if key != "timeout":
             raise ValueError(f"kv_store option {key!r} is unknown for redis; allowed: timeout ({_FORM})")
+        message = f"kv_store redis timeout must be seconds in (0, 60], got {value!r} ({_FORM})"
         try:
             timeout_s = float(value)
         except ValueError:
-            timeout_s = -1.0
+            raise ValueError(message) from None
         if not 0.0 < timeout_s <= 60.0:
-            raise ValueError(
-                f"kv_store redis timeout must be seconds in (0, 60], got {value!r} ({_FORM})"
-            )
+            raise ValueError(message)
     return KVStoreSpec(kind="redis", path=base, timeout_s=timeout_s)
 
 

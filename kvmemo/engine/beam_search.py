@@ -22,7 +22,6 @@ from kvmemo.request import Request, RequestStatus
 MAX_BEAM_WIDTH = 128
 
 # HF's mask for candidates that must not be chosen (fp32 arithmetic, like HF's).
-_MASK = -1.0e9
 
 
 @dataclass(frozen=True)
@@ -226,6 +225,7 @@ class BeamSearch:
             sampling_params=self.root.sampling_params,
             arrival_time=self.root.arrival_time,
             mm_items=self.root.mm_items,
+            mm_data=self.root.mm_data,
             lora_name=self.root.lora_name,
             cache_salt=self.root.cache_salt,
             eos_token_ids=self.root.eos_token_ids,

@@ -1,7 +1,8 @@
 """Engine: schedule -> execute -> update, one step at a time; the only place wiring kv/, model/
 and attention/ together.
 
-Invariant: after step() returns, every block whose KV the step computed is committed (reusable),
+Invariant: after step() returns, every block whose KV the step computed is committed (reusable;
+a beam search's generated blocks only when the search ends, see BeamSearch),
 and every finished request's blocks are free (still cached until evicted).
 """
 
@@ -183,7 +184,7 @@ class Engine:
 
     def add_beam_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedPrompt,
         params: BeamSearchParams,
         *,
         request_id: str | None = None,
@@ -213,7 +214,7 @@ class Engine:
         self.scheduler.add_request(root, search)
         self._tracked[request_id] = _Tracked(
             request=root,
-            prompt=prompt if isinstance(prompt, str) else prompt_text,
+            prompt=prompt if isinstance(prompt, str) else (prompt_text or _processed_text(prompt)),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ()),
             logprobs=None,
             beam_search=search,

@@ -77,6 +77,18 @@ def fingerprint_files(files: list[Path], root: Path) -> str:
     return digest.hexdigest()
 
 
+def checkpoint_fingerprint(path: Path) -> str:
+    """The weights fingerprint of a .gguf file or an HF directory (config, weights and, for
+    LLaVA, the image preprocessing): what load_model reports and the router checks replicas by."""
+    if path.is_file():
+        return fingerprint_files([path], path.parent)
+    extra: list[Path] = []
+    if read_raw_config(path).get("model_type") == "llava":
+        # The preprocessing changes what an image's KV is, so it joins the fingerprint.
+        extra = [p for p in [path / "preprocessor_config.json"] if p.is_file()]
+    return fingerprint_files([path / "config.json", *extra, *safetensors_files(path)], path)
+
+
 def load_model(
     path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> LoadedModel:
@@ -105,23 +117,17 @@ def load_model(
         checkpoint = load_gguf(resolved)
         state_dict, arch_config = checkpoint.state_dict, checkpoint.arch_config
         chat_template = checkpoint.chat_template
-        fingerprint = fingerprint_files([resolved], resolved.parent)
+        fingerprint = checkpoint_fingerprint(resolved)
         tokenizer = load_gguf_tokenizer(resolved, fingerprint)
     else:
-        files = safetensors_files(resolved)
-        fingerprint_extra = []
         tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
         chat_template = getattr(tokenizer, "chat_template", None)
         if read_raw_config(resolved).get("model_type") == "llava":
             model, image_input = _load_llava(resolved, tokenizer, dtype, device)
             arch_config = model.config.text
-            # The preprocessing changes what an image's KV is, so it joins the fingerprint.
-            fingerprint_extra = [p for p in [resolved / "preprocessor_config.json"] if p.is_file()]
         else:
             state_dict, arch_config = load_safetensors_dir(resolved)
-        fingerprint = fingerprint_files(
-            [resolved / "config.json", *fingerprint_extra, *files], resolved
-        )
+        fingerprint = checkpoint_fingerprint(resolved)
 
     if image_input is None:
         model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)

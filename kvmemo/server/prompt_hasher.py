@@ -19,7 +19,7 @@ from kvmemo.sampling import SamplingParams
 
 def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
     """(tokenizer, chat template, weights fingerprint) of a .gguf file or HF directory."""
-    from kvmemo.model.loader import bundled_model_path, fingerprint_files
+    from kvmemo.model.loader import bundled_model_path, checkpoint_fingerprint
 
     path = Path(model if model is not None else bundled_model_path()).expanduser().resolve()
     if not path.exists():
@@ -28,14 +28,12 @@ def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
         from kvmemo.model.gguf_header import GGUFFile
         from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
 
-        fingerprint = fingerprint_files([path], path.parent)
+        fingerprint = checkpoint_fingerprint(path)
         template = GGUFFile(path, max_array_len=0).header.metadata.get("tokenizer.chat_template")
         return load_gguf_tokenizer(path, fingerprint), template, fingerprint
     from transformers import AutoTokenizer
 
-    from kvmemo.model.safetensors_loader import safetensors_files
-
-    fingerprint = fingerprint_files([path / "config.json", *safetensors_files(path)], path)
+    fingerprint = checkpoint_fingerprint(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return tokenizer, getattr(tokenizer, "chat_template", None), fingerprint
 
@@ -55,6 +53,10 @@ class PromptHasher:
         (the replica then answers with the error)."""
         try:
             if path.endswith("/chat/completions"):
+                if _has_images(body["messages"]):
+                    # Image blocks hash with the image's content, which the router does not
+                    # compute: no prediction, so the prompt goes to the least loaded replica.
+                    return None
                 return self.processor.encode_chat(_messages(body["messages"]))[1]
             prompt = body["prompt"]
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -77,6 +79,15 @@ class PromptHasher:
         )
         self.hasher.extend(request)
         return list(request.block_hashes)
+
+
+def _has_images(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(part, dict) and part.get("type") != "text"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
 
 
 def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

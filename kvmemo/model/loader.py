@@ -82,11 +82,12 @@ def checkpoint_fingerprint(path: Path) -> str:
     LLaVA, the image preprocessing): what load_model reports and the router checks replicas by."""
     if path.is_file():
         return fingerprint_files([path], path.parent)
+    files = safetensors_files(path)  # first: it names what is missing from a bad directory
     extra: list[Path] = []
     if read_raw_config(path).get("model_type") == "llava":
         # The preprocessing changes what an image's KV is, so it joins the fingerprint.
         extra = [p for p in [path / "preprocessor_config.json"] if p.is_file()]
-    return fingerprint_files([path / "config.json", *extra, *safetensors_files(path)], path)
+    return fingerprint_files([path / "config.json", *extra, *files], path)
 
 
 def load_model(
@@ -120,6 +121,7 @@ def load_model(
         fingerprint = checkpoint_fingerprint(resolved)
         tokenizer = load_gguf_tokenizer(resolved, fingerprint)
     else:
+        fingerprint = checkpoint_fingerprint(resolved)
         tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
         chat_template = getattr(tokenizer, "chat_template", None)
         if read_raw_config(resolved).get("model_type") == "llava":
@@ -127,7 +129,6 @@ def load_model(
             arch_config = model.config.text
         else:
             state_dict, arch_config = load_safetensors_dir(resolved)
-        fingerprint = checkpoint_fingerprint(resolved)
 
     if image_input is None:
         model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)

@@ -24,15 +24,23 @@ class LlamaCppRunner(EngineRunner):
 
         first_token_at = None
         token_ids: list[int] = []
-        # Llama.generate reuses the KV of the longest common prefix with its current context, and
-        # the RAM cache restores the state of earlier prompts: llama.cpp's prompt reuse.
-        for token in self.llm.generate(prompt_token_ids, temp=0.0, top_k=1, reset=False,
+        cache = self.llm.cache
+        if cache is not None:
+            # llama.cpp's prompt reuse, as create_completion does it: restore the saved state with
+            # the longest common prefix; generate() then skips the tokens that state already holds.
+            try:
+                self.llm.load_state(cache[prompt_token_ids])
+            except KeyError:
+                pass
+        for token in self.llm.generate(prompt_token_ids, temp=0.0, top_k=1,
                                        logits_processor=llama_cpp.LogitsProcessorList([self._no_eos])):
             if first_token_at is None:
                 first_token_at = time.perf_counter()
             token_ids.append(token)
             if len(token_ids) == max_tokens:
                 break
+        if cache is not None:
+            cache[self.llm._input_ids.tolist()] = self.llm.save_state()
         return token_ids, first_token_at, None
 
 

@@ -153,6 +153,12 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
                 request = self.waiting.popleft()
                 prefix = self.kv.get_computed_blocks(request)
+                # Check before the store read: a block this step computes or loads for another
+                # request is a device hit next step, so reading it from the store again (and
+                # holding a second copy) would be waste.
+                if self._next_block_in_flight(request, prefix.num_tokens, in_flight):
+                    deferred.append(request)
+                    continue
                 num_external = 0
                 if self.connector is not None:
                     num_full = len(prefix.blocks) * self.kv.block_size
@@ -179,7 +185,9 @@ class Scheduler:
                 self.running.append(request)
                 scheduled.append((request, num_new))
                 budget -= num_new
-                in_flight.update(self._uncomputed_block_hashes(request))
+                # Blocks loaded from the store this step count as in flight too: they commit
+                # after the step, like the ones computed.
+                in_flight.update(request.block_hashes[prefix.num_tokens // self.kv.block_size :])
             self.waiting.extendleft(reversed(deferred))
 
         sequences = [

@@ -237,3 +237,25 @@ def _block_hashes(llm, prompt) -> list[BlockHash]:
     )
     llm.engine.hasher.extend(request)
     return list(request.block_hashes)
+
+
+def test_concurrent_requests_read_a_stored_prefix_once(store_llm, reference):
+    """Four requests sharing a stored prefix arrive together on an empty device cache: the first
+    loads the prefix from the store, the others wait one step and hit it on the device (a
+    restart with many users used to read it from disk once per request)."""
+    from kvmemo import SamplingParams
+
+    _generate(store_llm)  # the prompt's blocks are in the store
+    _fresh_device_cache(store_llm)
+    before = store_llm.get_metrics()
+    prompts = [PROMPT + f" Question {i}: what happened next?" for i in range(4)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outs = store_llm.generate(prompts, params, use_tqdm=False)
+    after = store_llm.get_metrics()
+    prefix_blocks = (reference.metrics.num_prompt_tokens - 1) // BLOCK
+    read_blocks = (after["store_hit_tokens"] - before["store_hit_tokens"]) // BLOCK
+    assert prefix_blocks - 1 <= read_blocks <= prefix_blocks  # once, not once per request
+    assert all(o.metrics.num_cached_tokens >= (prefix_blocks - 1) * BLOCK for o in outs)
+    alone = [store_llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    store_llm.engine.kv_manager.check_invariants()

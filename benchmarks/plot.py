@@ -45,9 +45,9 @@ def bar_chart(table: dict[str, dict[str, dict]], metric: str, ylabel: str, path:
     width = 0.8 / max(1, len(engines))
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(workloads) + 2), 4))
     for i, engine in enumerate(engines):
-        values = [table[w].get(engine, {}).get(metric) or 0 for w in workloads]
-        xs = [j + i * width for j in range(len(workloads))]
-        bars = ax.bar(xs, values, width, label=engine)
+        # Only workloads the engine ran get a bar: a missing run is no bar, never a zero.
+        ran = [(j, table[w][engine][metric]) for j, w in enumerate(workloads) if engine in table[w]]
+        bars = ax.bar([j + i * width for j, _ in ran], [v for _, v in ran], width, label=engine)
         ax.bar_label(bars, fmt="%.3g", fontsize=7)
     ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(workloads))], workloads)
     ax.set_ylabel(ylabel)

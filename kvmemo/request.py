@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from bisect import bisect_right
+from operator import attrgetter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,20 +33,19 @@ class MultiModalItem:
         return self.offset + self.length
 
 
+_ITEM_END = attrgetter("end")  # MultiModalItem.end, as a bisect key
+
+
 def overlapping_items(items: Sequence[MultiModalItem], start: int, end: int) -> range:
     """Indices of the items (sorted by offset, non-overlapping) whose range meets [start, end).
 
     A bisect on the item ends: O(log items), whatever the prompt length.
     """
-    first = bisect_right(items, start, key=_item_end)  # first item ending after `start`
+    first = bisect_right(items, start, key=_ITEM_END)  # first item ending after `start`
     last = first
     while last < len(items) and items[last].offset < end:
         last += 1
     return range(first, last)
-
-
-def _item_end(item: MultiModalItem) -> int:
-    return item.offset + item.length
 
 
 class RequestStatus(enum.IntEnum):

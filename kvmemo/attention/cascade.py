@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvmemo.attention.cache import gather_pages
+from kvmemo.attention.cpu_kernel import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -165,12 +166,25 @@ def _batched_decode_suffix(
     scale: float,
     workspace: Workspace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded gather of only the suffix blocks, masked per sequence. Returns [B, Hq, D], [B, Hq]."""
+    """Each decode query against its suffix blocks only. Returns [B, Hq, D], [B, Hq].
+
+    CPU: the compiled kernel reads the suffix pages in place; otherwise a padded gather of the
+    suffix blocks and one masked attention call.
+    """
     num_kv_heads, _, block_size, head_dim = k_pages.shape
     batch, num_heads = q.shape[0], q.shape[1]
     group = num_heads // num_kv_heads
     prefix_len = prefix_blocks * block_size
     suffix_lens = [metadata.seq_lens[s] - prefix_len for s in decode]
+    kernel = load_decode_kernel() if q.device.type == "cpu" else None
+    if kernel is not None and kernel.supports(q, k_pages, v_pages):
+        table_rows = None if batch == metadata.num_seqs else torch.tensor(decode)
+        o, lse = kernel(
+            q, k_pages, v_pages, metadata.block_tables, table_rows, prefix_blocks,
+            torch.tensor(suffix_lens), scale, with_lse=True,
+        )
+        assert lse is not None
+        return o, lse
     num_blocks = -(-max(suffix_lens) // block_size)
     rows = metadata.block_tables if batch == metadata.num_seqs else metadata.block_tables[decode]
     tables = rows[:, prefix_blocks : prefix_blocks + num_blocks]  # [B, nb]

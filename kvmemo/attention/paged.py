@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvmemo.attention.cascade import cascade_attention, cascade_prefix_blocks, merge_attention_states
 from kvmemo.attention.cache import gather_pages
+from kvmemo.attention.cpu_kernel import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -41,6 +42,9 @@ class StepPlan:
     decode_block_ids: torch.Tensor | None  # [B * nb] pages of every decode sequence, padded
     decode_num_blocks: int  # nb: pages per decode sequence after padding
     decode_valid: torch.Tensor | None  # [B, 1, 1, nb * bs] bool; None when nothing is padding
+    block_tables: torch.Tensor  # [S, max_blocks] the metadata's
+    decode_table_rows: torch.Tensor | None  # [B] block_tables row of each decode; None: all rows
+    decode_seq_lens: torch.Tensor | None  # [B] keys each decode sequence attends to
     prefills: list[PrefillSeq]
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
@@ -49,7 +53,7 @@ class StepPlan:
         block_size = metadata.block_size
         cascade_blocks = cascade_prefix_blocks(metadata)
         decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
-        rows = block_ids = valid = None
+        rows = block_ids = valid = table_rows = decode_lens = None
         num_blocks = 0
         if decode and not cascade_blocks:
             all_decode = len(decode) == metadata.num_seqs
@@ -61,10 +65,12 @@ class StepPlan:
                 lens = metadata.seq_lens_t if all_decode else metadata.seq_lens_t[decode]
                 positions = torch.arange(num_blocks * block_size, device=lens.device)
                 valid = (positions[None, :] < lens[:, None])[:, None, None, :]
+            decode_lens = metadata.seq_lens_t
             if not all_decode:
-                rows = torch.tensor(
-                    [metadata.query_start_loc[s] for s in decode], device=metadata.seq_lens_t.device
-                )
+                device = metadata.seq_lens_t.device
+                rows = torch.tensor([metadata.query_start_loc[s] for s in decode], device=device)
+                table_rows = torch.tensor(decode, device=device)
+                decode_lens = metadata.seq_lens_t[table_rows]
         prefills = []
         if not cascade_blocks:
             for s, query_len in enumerate(metadata.query_lens):
@@ -79,7 +85,10 @@ class StepPlan:
                         block_ids=metadata.block_tables[s, : -(-seq_len // block_size)],
                     )
                 )
-        return cls(cascade_blocks, decode, rows, block_ids, num_blocks, valid, prefills)
+        return cls(
+            cascade_blocks, decode, rows, block_ids, num_blocks, valid, metadata.block_tables,
+            table_rows, decode_lens, prefills,
+        )
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask [B, 1, 1, L] of the decode batch (0 keep, -inf padding), made once per dtype."""
@@ -143,8 +152,18 @@ def decode_attention(
     scale: float,
     workspace: Workspace,
 ) -> torch.Tensor:
-    """One SDPA over all decode sequences, padded to the longest and masked. Returns [B, Hq, D]."""
-    assert plan.decode_block_ids is not None
+    """All decode sequences at once. Returns [B, Hq, D].
+
+    CPU: the compiled kernel reads every page in place (cpu_kernel.py). Elsewhere, or without a
+    compiler: gather the pages into workspace buffers, then one SDPA padded to the longest
+    sequence and masked.
+    """
+    assert plan.decode_block_ids is not None and plan.decode_seq_lens is not None
+    kernel = load_decode_kernel() if q.device.type == "cpu" else None
+    if kernel is not None and kernel.supports(q, k_pages, v_pages):
+        return kernel(
+            q, k_pages, v_pages, plan.block_tables, plan.decode_table_rows, 0, plan.decode_seq_lens, scale
+        )[0]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_heads // num_kv_heads

@@ -13,13 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvmemo.paths import cache_root
+
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """$KVMEMO_CACHE_DIR, else ~/.cache/kvmemo."""
-    configured = os.environ.get("KVMEMO_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "kvmemo"
 
 
 def load_gguf_tokenizer(gguf_path: Path, fingerprint: str) -> Any:

@@ -17,6 +17,8 @@ from kvmemo.attention.paged import paged_attention
 from kvmemo.attention.torch_ref import paged_attention_ref
 from tests.attention.paged_testing import HEAD_DIM, dense_attention, make_batch
 
+pytestmark = pytest.mark.usefixtures("decode_path")  # kernel and gather decodes
+
 SCALE = HEAD_DIM**-0.5
 DTYPES = [torch.float32, torch.bfloat16, FP8_DTYPE]
 
@@ -135,17 +137,21 @@ def test_function_form_matches_reference_on_logical_caches():
         paged_attention_ref(batch.q, k, v, batch.metadata, SCALE), atol=2e-5, rtol=2e-5)
 
 
-def test_workspace_buffers_are_allocated_on_demand_grown_and_reused():
+def test_workspace_buffers_are_allocated_on_demand_grown_and_reused(decode_path):
     backend = PagedAttentionBackend(SCALE)
     assert backend.workspace.nbytes == 0  # nothing exists before the first call
     small = make_batch(cached=[10, 20], new=[1, 1], group=3, block_size=8, seed=1)
     backend.forward(0, small.q, small.new_k, small.new_v, small.cache, small.metadata)
+    if decode_path == "kernel":  # the kernel reads pages in place: decodes need no scratch
+        assert backend.workspace.nbytes == 0
+        small = make_batch(cached=[10, 20], new=[3, 1], group=3, block_size=8, seed=1)
+        backend.forward(0, small.q, small.new_k, small.new_v, small.cache, small.metadata)
     first = backend.workspace.num_allocations
     assert first > 0
     for _ in range(3):  # same shapes again: reused, no allocation
         backend.forward(0, small.q, small.new_k, small.new_v, small.cache, small.metadata)
     assert backend.workspace.num_allocations == first
-    big = make_batch(cached=[200, 300], new=[1, 1], group=3, block_size=8, seed=2)
+    big = make_batch(cached=[200, 300], new=[9, 1], group=3, block_size=8, seed=2)
     check_out = backend.forward(0, big.q, big.new_k, big.new_v, big.cache, big.metadata)
     assert backend.workspace.num_allocations > first  # grown
     torch.testing.assert_close(check_out, big.expected(SCALE), atol=2e-5, rtol=2e-5)

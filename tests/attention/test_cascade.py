@@ -20,6 +20,8 @@ from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import paged_attention
 from kvmemo.attention.torch_ref import paged_attention_ref
 
+pytestmark = pytest.mark.usefixtures("decode_path")  # kernel and gather decodes
+
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
 

@@ -14,7 +14,7 @@ from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
 from kvmemo.kv.hashing import namespace_root_hash
 from tests.helpers import assert_all_blocks_free
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("decode_path")]
 
 
 @pytest.fixture(scope="module")

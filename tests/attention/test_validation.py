@@ -11,6 +11,8 @@ from kvmemo.attention.fp8 import KVScales
 from kvmemo.attention.metadata import AttentionMetadata
 from tests.attention.paged_testing import HEAD_DIM, make_batch
 
+pytestmark = pytest.mark.usefixtures("decode_path")  # kernel and gather decodes
+
 GOOD = dict(block_tables=[[0, 1], [2]], num_computed_tokens=[17, 3], query_lens=[1, 2],
             block_size=16, num_cache_blocks=4, request_ids=["a", "b"])
 

@@ -1,0 +1,288 @@
+/* Paged decode attention for CPU: one query token per sequence, K/V read in place from pages.
+ *
+ * Invariant: equals softmax(scale * q . K^T) V over the first kv_lens[b] keys of sequence b, the
+ * keys being block_tables[row_b][first_block + t / bs] slot t % bs of the head-major pages
+ * [Hkv, num_blocks, bs, D]. No gather: each (sequence, kv head) walks its own pages, converts a
+ * tile of at most TILE keys to fp32 in L1 and keeps an online softmax, so K and V cross memory
+ * once (a gather reads them, writes a copy, then SDPA reads the copy again). The G = Hq / Hkv
+ * query heads sharing a kv head share each loaded key (grouped-query attention without repeats).
+ * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3 };
+enum { TILE = 16, MAX_D = 256, MAX_GROUP = 32 };
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 2
+#endif
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+/* n values of a page row range -> fp32. fp32 pages are read directly (no copy). */
+static inline const float *to_f32(const void *src, int64_t offset, int64_t n, int dtype, float *buf) {
+    if (dtype == KV_F32) return (const float *)src + offset;
+    if (dtype == KV_BF16) {
+        const uint16_t *s = (const uint16_t *)src + offset;
+        uint32_t *d = (uint32_t *)buf;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+    } else if (dtype == KV_F16) {
+        const _Float16 *s = (const _Float16 *)src + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) buf[i] = (float)s[i];
+    } else { /* e4m3fn: bias 7; subnormals (exponent 0) are m * 2^-9; 0x7f/0xff (NaN) never stored */
+        const uint8_t *s = (const uint8_t *)src + offset;
+        uint32_t *d = (uint32_t *)buf;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t x = s[i], em = x & 0x7fu, sign = (x & 0x80u) << 24;
+            float sub = (float)em * (1.0f / 512.0f);
+            uint32_t sub_bits;
+            memcpy(&sub_bits, &sub, 4);
+            d[i] = sign | (em < 8u ? sub_bits : (em << 20) + (120u << 23));
+        }
+    }
+    return buf;
+}
+
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_VEC 1
+#endif
+#endif
+
+#ifdef HAVE_VEC
+/* 16 fp32 lanes (one AVX-512 register; two AVX2 or four NEON registers elsewhere). */
+typedef float v16 __attribute__((vector_size(64)));
+#define VEC_CHUNKS(D) ((D) == 64 || (D) == 128)
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* x[0..15] -> r with r[i] = sum of x[i]'s lanes: a transpose-and-add tree (15 adds, 30 shuffles)
+ * instead of 16 separate horizontal sums (~8 dependent ops each). */
+static inline v16 sum_lanes16(v16 *x) {
+    v16 y[8], z[4], w[2];
+    for (int i = 0; i < 8; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* s[g * TILE + t] = q_g . K_t for n <= 16 keys; each key row is loaded once for all G heads. */
+static inline __attribute__((always_inline)) void vec_scores(
+    const float *restrict qs, const float *restrict K, int64_t n, int G, const int C, float *restrict s) {
+    v16 partial[MAX_GROUP][TILE];
+    for (int64_t t = 0; t < TILE; t++) {
+        v16 k[8];
+        for (int c = 0; c < C; c++) k[c] = t < n ? load16(K + t * C * 16 + c * 16) : (v16){0};
+        for (int g = 0; g < G; g++) {
+            v16 a = load16(qs + g * C * 16) * k[0];
+            for (int c = 1; c < C; c++) a += load16(qs + g * C * 16 + c * 16) * k[c];
+            partial[g][t] = a;
+        }
+    }
+    for (int g = 0; g < G; g++) store16(s + g * TILE, sum_lanes16(partial[g]));
+}
+
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+static inline v16 select16(i16v mask, v16 yes, v16 no) {
+    return (v16)((mask & (i16v)yes) | (~mask & (i16v)no));
+}
+
+/* exp2_nonpositive on 16 lanes (written with vector types: gcc kept the scalar loop scalar). */
+static inline v16 exp2_vec(v16 x) {
+    x = select16(x < -125.0f, (v16){0} - 125.0f, x);
+    i16v i = __builtin_convertvector(x - 0.5f, i16v);
+    v16 f = x - __builtin_convertvector(i, v16);
+    v16 p = f * 1.5252733804e-05f + 1.5403530393e-04f;
+    p = p * f + 1.3333558147e-03f;
+    p = p * f + 9.6181291076e-03f;
+    p = p * f + 5.5504108665e-02f;
+    p = p * f + 2.4022650696e-01f;
+    p = p * f + 6.9314718056e-01f;
+    p = p * f + 1.0f;
+    return p * (v16)((i + 127) << 23);
+}
+
+/* One tile's online-softmax step for one head: s[0..n) (log2 units) -> probabilities in place.
+ * Updates the running max *m and sum *l; returns alpha, the factor the accumulator must take. */
+static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) {
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    i16v valid = lane < (int32_t)n;
+    v16 x = select16(valid, load16(s), (v16){0} - INFINITY);
+    float tile_max = *m;
+    for (int i = 0; i < 16; i++) tile_max = x[i] > tile_max ? x[i] : tile_max;
+    v16 p = (v16)((i16v)exp2_vec(x - tile_max) & valid);
+    float sum = 0.0f;
+    for (int i = 0; i < 16; i++) sum += p[i];
+    float alpha = exp2f(*m - tile_max); /* *m = -inf on the first tile: alpha = 0 */
+    *l = *l * alpha + sum;
+    *m = tile_max;
+    store16(s, p);
+    return alpha;
+}
+
+/* acc[0..16C) = acc * alpha + sum_t p[t] * V_t, the accumulator held in registers across keys. */
+static inline __attribute__((always_inline)) void vec_accumulate(
+    float *restrict acc, float alpha, const float *restrict p, const float *restrict V, int64_t n, const int C) {
+    v16 a[8];
+    for (int c = 0; c < C; c++) a[c] = load16(acc + c * 16) * alpha;
+    for (int64_t t = 0; t < n; t++) {
+        v16 pt = (v16){0} + p[t];
+        for (int c = 0; c < C; c++) a[c] += pt * load16(V + t * C * 16 + c * 16);
+    }
+    for (int c = 0; c < C; c++) store16(acc + c * 16, a[c]);
+}
+#else
+#define VEC_CHUNKS(D) 0
+static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) { return 0.0f; }
+static inline void vec_scores(const float *qs, const float *K, int64_t n, int G, int C, float *s) {}
+static inline void vec_accumulate(float *acc, float alpha, const float *p, const float *V, int64_t n, int C) {}
+#endif
+
+/* 2^x for x <= 0 without a libm call, so the loop over a tile's scores vectorises (a scalar
+ * exp2f call per score was half the kernel's time). x = i + f, i = round(x), |f| <= 1/2;
+ * 2^f by its degree-7 Taylor series (relative error < 3e-9), 2^i built in the exponent bits. */
+static inline float exp2_nonpositive(float x) {
+    x = x < -125.0f ? -125.0f : x;
+    int32_t i = (int32_t)(x - 0.5f); /* truncation toward zero rounds a non-positive x */
+    float f = x - (float)i, p = 1.5252733804e-05f;
+    p = p * f + 1.5403530393e-04f;
+    p = p * f + 1.3333558147e-03f;
+    p = p * f + 9.6181291076e-03f;
+    p = p * f + 5.5504108665e-02f;
+    p = p * f + 2.4022650696e-01f;
+    p = p * f + 6.9314718056e-01f;
+    p = p * f + 1.0f;
+    uint32_t bits = (uint32_t)(i + 127) << 23;
+    float two_i;
+    memcpy(&two_i, &bits, sizeof two_i);
+    return p * two_i;
+}
+
+static const int64_t DTYPE_BYTES[4] = {4, 2, 2, 1};
+
+/* Pages of one sequence lie anywhere in the pool, so the hardware prefetcher cannot follow them
+ * across a page boundary: ask for the next tile's K and V lines while this tile computes. */
+static inline void prefetch_tile(const void *k_pages, const void *v_pages, int dtype,
+                                 const int64_t *table, int64_t start, int64_t kv_len,
+                                 int64_t head_offset, int64_t bs, int64_t D) {
+    int64_t in_block = start % bs, n = kv_len - start;
+    if (n > TILE) n = TILE;
+    if (n > bs - in_block) n = bs - in_block;
+    int64_t elt = DTYPE_BYTES[dtype];
+    int64_t offset = (head_offset + table[start / bs] * bs + in_block) * D * elt;
+    for (int64_t byte = 0; byte < n * D * elt; byte += 64) {
+        __builtin_prefetch((const char *)k_pages + offset + byte);
+        __builtin_prefetch((const char *)v_pages + offset + byte);
+    }
+}
+
+/* One (sequence, kv head): G query rows [G, D] (already scaled by scale * log2 e) -> out, lse. */
+static inline __attribute__((always_inline)) void attend_one(
+    const float *qs, const void *k_pages, const void *v_pages, int dtype, const int64_t *table,
+    int64_t kv_len, int64_t head_offset, int64_t bs, int G, const int64_t D, float *out,
+    float *lse, int64_t lse_stride) {
+    float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_GROUP * TILE];
+    float acc[MAX_GROUP * MAX_D], m[MAX_GROUP], l[MAX_GROUP];
+    for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
+    const int64_t step = bs < TILE ? bs : TILE;
+    for (int64_t first = 0; first < kv_len && first < PREFETCH_TILES * step; first += step)
+        prefetch_tile(k_pages, v_pages, dtype, table, first, kv_len, head_offset, bs, D);
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int64_t start = 0, n = 0; start < kv_len; start += n) {
+        int64_t block = start / bs, in_block = start % bs;
+        n = kv_len - start;
+        if (n > TILE) n = TILE;
+        if (n > bs - in_block) n = bs - in_block; /* a tile never crosses a page */
+        int64_t offset = (head_offset + table[block] * bs + in_block) * D;
+        /* Several tiles ahead: one tile of compute is shorter than a DRAM round trip. */
+        int64_t ahead = start + PREFETCH_TILES * step;
+        if (ahead < kv_len) prefetch_tile(k_pages, v_pages, dtype, table, ahead, kv_len, head_offset, bs, D);
+        const float *K = to_f32(k_pages, offset, n * D, dtype, kbuf);
+        const float *V = to_f32(v_pages, offset, n * D, dtype, vbuf);
+        float *scores = s;
+        if (VEC_CHUNKS(D)) {
+            vec_scores(qs, K, n, G, D / 16, s);
+        } else {
+            for (int64_t t = 0; t < n; t++) {
+                for (int g = 0; g < G; g++) {
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qs[g * D + d] * K[t * D + d];
+                    s[g * TILE + t] = dot;
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *sg = scores + g * TILE;
+            if (VEC_CHUNKS(D)) {
+                float alpha = vec_softmax_tile(sg, n, &m[g], &l[g]);
+                vec_accumulate(acc + g * D, alpha, sg, V, n, D / 16);
+                continue;
+            }
+            float tile_max = m[g];
+            for (int64_t t = 0; t < n; t++) tile_max = sg[t] > tile_max ? sg[t] : tile_max;
+            float alpha = exp2f(m[g] - tile_max), sum = 0.0f; /* m = -inf first: alpha = 0 */
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) { sg[t] = exp2_nonpositive(sg[t] - tile_max); sum += sg[t]; }
+            l[g] = l[g] * alpha + sum;
+            m[g] = tile_max;
+            float *ag = acc + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ag[d] *= alpha;
+            for (int64_t t = 0; t < n; t++) {
+                float p = sg[t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ag[d] += p * V[t * D + d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+        if (lse) lse[g * lse_stride] = l[g] > 0.0f ? (m[g] + log2f(l[g])) * LN2 : -INFINITY;
+    }
+}
+
+/* Returns 0, or 1 when D or the group exceeds the fixed tile buffers (the caller falls back). */
+int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages, int dtype,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
+                        int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,
+                        int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
+                        float *out, float *lse) {
+    int G = (int)(Hq / Hkv);
+    if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t item = 0; item < B * Hkv; item++) {
+        int64_t b = item / Hkv, h = item % Hkv;
+        float qs[MAX_GROUP * MAX_D];
+        const float *qb = q + (b * Hq + h * G) * D;
+        for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
+        const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
+        float *ob = out + (b * Hq + h * G) * D;
+        float *lb = lse ? lse + b * Hq + h * G : 0;
+        int64_t head_offset = h * num_blocks * bs;
+        /* Constant D lets the compiler unroll the dot products and V updates fully. */
+        if (D == 64)
+            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 64, ob, lb, 1);
+        else if (D == 128)
+            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 128, ob, lb, 1);
+        else
+            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, D, ob, lb, 1);
+    }
+    return 0;
+}

@@ -1,0 +1,20 @@
+"""Attention tests marked with this fixture run twice: decodes through the compiled CPU kernel and through the torch
+gather + SDPA fallback (what a machine without a C compiler, or CUDA, uses)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmemo.attention import cascade, paged
+from kvmemo.attention.cpu_kernel import load_decode_kernel
+
+
+@pytest.fixture(params=["kernel", "gather"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "kernel":
+        if load_decode_kernel() is None:
+            pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
+    else:
+        for module in (paged, cascade):
+            monkeypatch.setattr(module, "load_decode_kernel", lambda: None)
+    return request.param

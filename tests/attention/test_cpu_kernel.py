@@ -1,0 +1,122 @@
+"""The compiled CPU decode kernel against dense attention over the same pages, called directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmemo.attention.cache import FP8_DTYPE
+from kvmemo.attention.cpu_kernel import load_decode_kernel
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, FP8_DTYPE]
+
+
+def dense_decode(q, k_pages, v_pages, tables, rows, first_block, lens, scale):
+    """Per query: gather its keys block by block, repeat K/V per group, softmax. -> out, lse."""
+    num_kv_heads, _, block_size, head_dim = k_pages.shape
+    group = q.shape[1] // num_kv_heads
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        row = tables[b if rows is None else int(rows[b])]
+        length = int(lens[b])
+        ids = row[first_block : first_block + -(-length // block_size)]
+        k = k_pages[:, ids].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
+        v = v_pages[:, ids].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, L, D]
+        scores = torch.einsum("hd,hld->hl", q[b].float(), k) * scale
+        outs.append(torch.einsum("hl,hld->hd", scores.softmax(-1), v))
+        lses.append(torch.logsumexp(scores, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = load_decode_kernel()
+    if loaded is None:
+        pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
+    return loaded
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])  # 64 and 128 take the vector path
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_kernel_matches_dense(kernel, dtype, head_dim, group, block_size):
+    torch.manual_seed(head_dim * 100 + group * 10 + block_size)
+    num_kv_heads, num_blocks, batch, width = 2, 40, 5, 8
+    k_pages = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim) * 3).to(dtype)
+    v_pages = torch.randn(num_kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in range(7)])  # 7 rows, 5 used
+    rows = torch.tensor([6, 0, 3, 3, 1])
+    first_block = 2  # a cascade suffix: keys start after two shared blocks
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, (width - first_block) * block_size])
+    q = torch.randn(batch, num_kv_heads * group, head_dim)
+    scale = head_dim**-0.5
+    out, lse = kernel(q, k_pages, v_pages, tables, rows, first_block, lens, scale, with_lse=True)
+    want_out, want_lse = dense_decode(q, k_pages, v_pages, tables, rows, first_block, lens, scale)
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_softmax_is_stable_for_large_scores(kernel):
+    """Scores in the thousands (exp would overflow) and far apart (exp would underflow)."""
+    torch.manual_seed(0)
+    k_pages = torch.randn(1, 8, 16, 64) * 40
+    v_pages = torch.randn(1, 8, 16, 64)
+    tables = torch.arange(8)[None].repeat(2, 1)
+    q = torch.randn(2, 1, 64) * 40
+    lens = torch.tensor([100, 128])
+    out, lse = kernel(q, k_pages, v_pages, tables, None, 0, lens, 1.0, with_lse=True)
+    want_out, want_lse = dense_decode(q, k_pages, v_pages, tables, None, 0, lens, 1.0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-5)
+
+
+def test_kernel_refuses_shapes_it_cannot_hold(kernel):
+    q = torch.randn(1, 64, 16)
+    pages = torch.zeros(1, 2, 8, 16)
+    assert not kernel.supports(q, pages, pages)  # 64 query heads per kv head > MAX_GROUP
+    with pytest.raises(ValueError, match="group <= 32"):
+        kernel(q, pages, pages, torch.zeros(1, 2, dtype=torch.int64), None, 0, torch.tensor([4]), 1.0)
+    assert not kernel.supports(torch.randn(1, 2, 16), pages.transpose(1, 2), pages)  # not contiguous
+
+
+def test_build_is_cached_and_a_broken_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMEMO_CACHE_DIR", str(tmp_path / "a"))
+    load_decode_kernel.cache_clear()
+    try:
+        first = load_decode_kernel()
+        if first is None:
+            pytest.skip("no C compiler here")
+        assert first.path.parent == tmp_path / "a" / "kernels"
+        built_at = first.path.stat().st_mtime_ns
+        load_decode_kernel.cache_clear()
+        assert load_decode_kernel().path.stat().st_mtime_ns == built_at  # reused, not rebuilt
+        # A damaged entry under the same name in another cache dir (never overwrite a loaded
+        # library in place: the process maps it).
+        broken = tmp_path / "b" / "kernels" / first.path.name
+        broken.parent.mkdir(parents=True)
+        broken.write_bytes(b"not an ELF file")
+        monkeypatch.setenv("KVMEMO_CACHE_DIR", str(tmp_path / "b"))
+        load_decode_kernel.cache_clear()
+        again = load_decode_kernel()
+        assert again is not None and again.path == broken
+        assert broken.read_bytes()[:4] == b"\x7fELF"  # rebuilt
+    finally:
+        load_decode_kernel.cache_clear()
+
+
+def test_no_compiler_or_disabled_means_fallback(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMEMO_CACHE_DIR", str(tmp_path))
+    load_decode_kernel.cache_clear()
+    try:
+        monkeypatch.setenv("KVMEMO_CPU_KERNEL", "0")
+        assert load_decode_kernel() is None
+        load_decode_kernel.cache_clear()
+        monkeypatch.delenv("KVMEMO_CPU_KERNEL")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        assert load_decode_kernel() is None  # logged, not raised
+        assert not list(tmp_path.glob("kernels/*.so"))
+    finally:
+        load_decode_kernel.cache_clear()

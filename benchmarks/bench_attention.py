@@ -7,8 +7,7 @@ tokens over a 896-token cached prefix. SmolLM2 shapes: 9 q heads, 3 kv heads, he
 16, fp32 compute. Block tables are a random permutation of the pool (the worst case: no two
 consecutive pages adjacent). Paged = PagedAttentionBackend.forward, i.e. the K/V write plus
 attention, with the step's plan built once as in the engine (decode: the compiled CPU kernel;
-paged_fp32_gather: the torch fallback); dense = F.scaled_dot_product_attention alone, on ordinary
-memory and (decode, _thp) on transparent huge pages like the paged cache. Timings are interleaved A/B/... in one process; medians reported. Writes
+paged_fp32_gather: the torch fallback); dense = F.scaled_dot_product_attention alone. Timings are interleaved A/B/... in one process; medians reported. Writes
 benchmarks/results/attention.json.
 """
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmemo.attention.backend import PagedAttentionBackend  # noqa: E402
 from kvmemo.attention import paged  # noqa: E402
-from kvmemo.attention.cache import PagedKVCache, allocate_pages  # noqa: E402
+from kvmemo.attention.cache import PagedKVCache  # noqa: E402
 from kvmemo.attention.metadata import AttentionMetadata  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -91,11 +90,6 @@ def decode_bench(num_seqs: int, context: int, repeats: int) -> dict:
         "dense_sdpa_folded": lambda: F.scaled_dot_product_attention(
             q_dense.view(num_seqs, NUM_KV_HEADS, group, HEAD_DIM), k_dense, v_dense),
     }
-    # The dense baseline on huge pages too, so the paged cache's THP gets no unfair edge.
-    k_thp = allocate_pages(tuple(k_dense.shape), torch.float32, "cpu").copy_(k_dense)
-    v_thp = allocate_pages(tuple(v_dense.shape), torch.float32, "cpu").copy_(v_dense)
-    fns["dense_sdpa_folded_thp"] = lambda: F.scaled_dot_product_attention(
-        q_dense.view(num_seqs, NUM_KV_HEADS, group, HEAD_DIM), k_thp, v_thp)
     for name, dtype in (("paged_fp32", torch.float32), ("paged_bf16_kv", torch.bfloat16),
                         ("paged_fp8_kv", torch.float8_e4m3fn)):
         backend, cache, md, q, k, v = paged_case(num_seqs, context - 1, 1, dtype)
@@ -106,7 +100,7 @@ def decode_bench(num_seqs: int, context: int, repeats: int) -> dict:
     ms, min_ms = interleaved(fns, repeats)
 
     def ratio(t: dict[str, float]) -> float:
-        dense = ("dense_sdpa_gqa", "dense_sdpa_folded", "dense_sdpa_folded_thp")
+        dense = ("dense_sdpa_gqa", "dense_sdpa_folded")
         return round(t["paged_fp32"] / min(t[name] for name in dense), 3)
 
     return {"shape": f"{num_seqs} seqs x {context} ctx, Hq={NUM_HEADS}, Hkv={NUM_KV_HEADS}, D={HEAD_DIM}",

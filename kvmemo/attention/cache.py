@@ -9,8 +9,6 @@ stores round(x / scale) per (layer, kv head), so x ~= stored * scale; other dtyp
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +24,6 @@ _TORCH_KV_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
 }
 FP8_DTYPE = torch.float8_e4m3fn
-_HUGE_PAGE = 2 << 20
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: writes are clamped to +-FP8_MAX * scale
 
 
@@ -82,8 +79,8 @@ class PagedKVCache:
         device: torch.device | str,
     ) -> PagedKVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        k = [allocate_pages(shape, dtype, device) for _ in range(num_layers)]
-        v = [allocate_pages(shape, dtype, device) for _ in range(num_layers)]
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         scales = None
         if dtype == FP8_DTYPE:  # identity scales until calibrated (see fp8.py)
             scales = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
@@ -156,26 +153,6 @@ class PagedKVCache:
             k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
         _write_pages(self.k_pages[layer], k, slot_mapping, k_scale)
         _write_pages(self.v_pages[layer], v, slot_mapping, v_scale)
-
-
-def allocate_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeroed pages of `shape`; on a Linux CPU backed by transparent huge pages where allowed.
-
-    A decode jumps between pages scattered over the whole pool, so with 4 KiB OS pages nearly
-    every KV page costs a TLB miss; 2 MiB pages cut the decode kernel's time by ~12% at
-    32 x 1,024 (benchmarks/bench_attention.py). THP is advisory: where the OS says no, this is
-    ordinary (still zeroed) anonymous memory.
-    """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < _HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
-    try:
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # kernel without THP: plain pages
-        pass
-    # frombuffer holds a reference to `memory`, so the mapping lives as long as the tensor.
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def gather_pages(

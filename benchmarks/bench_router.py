@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,12 +32,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.redis_server import free_port  # noqa: E402  (one definition, shared with the tests)
 
 
 @contextlib.contextmanager

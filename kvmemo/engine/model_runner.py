@@ -51,7 +51,6 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
-        self.scale = scale
         self.device = device
         self.attention_backend = attention_backend or select_attention_backend("paged", scale)
         self.kv_connector = kv_connector  # worker side: loads store blocks into the pages

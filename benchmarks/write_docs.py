@@ -41,7 +41,9 @@ def attention_section(r: dict) -> str:
 
 One layer call, fp32 compute, block size 16, shuffled block tables, {m['threads']} torch thread(s),
 torch {m['torch']}, {m['date']}; median (min) ms of interleaved runs. Paged = `PagedAttentionBackend.forward`
-(K/V write + attention); dense = `F.scaled_dot_product_attention` alone over contiguous K/V.
+(K/V write + attention; decode through the compiled CPU kernel that reads pages in place, or, in
+the gather row, the torch fallback); dense = `F.scaled_dot_product_attention` alone over
+contiguous K/V.
 
 | decode: {d['shape']} | ms |
 |---|---|
@@ -50,6 +52,7 @@ torch {m['torch']}, {m['date']}; median (min) ms of interleaved runs. Paged = `P
 | paged, fp32 KV | {dm['paged_fp32']} ({dn['paged_fp32']}) |
 | paged, bf16 KV | {dm['paged_bf16_kv']} ({dn['paged_bf16_kv']}) |
 | paged, fp8 KV | {dm['paged_fp8_kv']} ({dn['paged_fp8_kv']}) |
+| paged, fp32 KV, gather + SDPA fallback (no C compiler) | {dm['paged_fp32_gather']} ({dn['paged_fp32_gather']}) |
 | previous paged decode (token-major pages, fresh gather) | {dm['previous_token_major']} ({dn['previous_token_major']}) |
 | **paged fp32 / best dense (goal: at most 1.3)** | **{d['paged_over_best_dense']}** ({d['paged_over_best_dense_min']}) |
 

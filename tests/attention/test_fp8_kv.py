@@ -68,7 +68,7 @@ def test_fast_path_equals_reference_backend_with_fp8_pages(fp8_llm):
     runner = fp8_llm.engine.runner
     fast = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params, use_tqdm=False)]
     paged = runner.attention_backend
-    runner.attention_backend = ReferenceAttentionBackend(runner.scale)
+    runner.attention_backend = ReferenceAttentionBackend(paged.scale)
     try:
         ref = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params, use_tqdm=False)]
     finally:

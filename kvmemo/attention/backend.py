@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kvmemo.attention.cache import PagedKVCache
+from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
 from kvmemo.attention.cascade import cascade_attention
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan, paged_attention_pages
@@ -66,7 +66,7 @@ class PagedAttentionBackend:
         plan = self._plan_for(metadata, kv_cache)
         check_step_tensors(q, k, v, kv_cache, metadata)
         kv_cache.write(layer, k, v, metadata.slot_mapping)  # first: queries see their own keys
-        q, v_scale = fold_fp8_scales(q, kv_cache, layer)
+        q = fold_fp8_query(q, kv_cache, layer)
         if plan.cascade_blocks:
             out = cascade_attention(
                 q, kv_cache.k_caches[layer], kv_cache.v_caches[layer], metadata,
@@ -76,7 +76,7 @@ class PagedAttentionBackend:
             out = paged_attention_pages(
                 q, kv_cache.k_pages[layer], kv_cache.v_pages[layer], plan, self.scale, self.workspace
             )
-        return out if v_scale is None else out * v_scale
+        return unfold_fp8_output(out, kv_cache, layer)
 
     def _plan_for(self, metadata: AttentionMetadata, kv_cache: PagedKVCache) -> StepPlan:
         if metadata is not self._plan_metadata or self._plan is None:
@@ -123,28 +123,44 @@ def dequantized_caches(
     kv_cache: PagedKVCache, layer: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s logical K and V caches [num_blocks, bs, Hkv, D] as real values in `dtype`."""
-    k, v = kv_cache.k_caches[layer].to(dtype), kv_cache.v_caches[layer].to(dtype)
-    if kv_cache.k_scales is not None and kv_cache.v_scales is not None:
-        k = k * kv_cache.k_scales[layer].to(dtype)[:, None]  # scale [Hkv, 1] over [.., Hkv, D]
-        v = v * kv_cache.v_scales[layer].to(dtype)[:, None]
-    return k, v
+    k, v = kv_cache.k_caches[layer], kv_cache.v_caches[layer]
+    if not kv_cache.is_fp8:
+        return k.to(dtype), v.to(dtype)
+    return (
+        dequantize_fp8(k, kv_cache.fp8_transform(layer, "k"), dtype),
+        dequantize_fp8(v, kv_cache.fp8_transform(layer, "v"), dtype),
+    )
 
 
-def fold_fp8_scales(
-    q: torch.Tensor, kv_cache: PagedKVCache, layer: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """For fp8, attention over the raw stored values with q * k_scale, then out * v_scale.
+def fold_fp8_query(q: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> torch.Tensor:
+    """For fp8, the query that attends over the raw stored K: (q @ rotation) * k_scale.
 
-    Exact: q . (k8 * s_k) = (q * s_k) . k8 and sum_j p_j (v8_j * s_v) = s_v * sum_j p_j v8_j,
-    with one scale per kv head, so dequantising costs two [Hq]-vector products, not a pass over
-    the cache. Returns (q to attend with, v scale [1, Hq, 1] or None).
+    Exact, so attention reads the raw fp8 values and never dequantises the cache. With
+    k = k8 * s @ R.T + mu (R orthogonal): q . k = ((q @ R) * s) . k8 + q . mu, and q . mu is the
+    same for every key of the query, which softmax ignores (cascade's two partial lse shift
+    equally, so their merge is unchanged too). q: [T, Hq, D].
     """
-    if kv_cache.k_scales is None or kv_cache.v_scales is None:
-        return q, None
+    if not kv_cache.is_fp8:
+        return q
+    t = kv_cache.fp8_transform(layer, "k")
     group = q.shape[1] // kv_cache.num_kv_heads
-    k_scale = kv_cache.k_scales[layer].repeat_interleave(group).to(q.dtype)  # [Hq]
-    v_scale = kv_cache.v_scales[layer].repeat_interleave(group).to(q.dtype)
-    return q * k_scale[None, :, None], v_scale[None, :, None]
+    k_scale = t.scale.repeat_interleave(group)  # [Hq]
+    return ((q.float() @ t.rotation) * k_scale[None, :, None]).to(q.dtype)
+
+
+def unfold_fp8_output(out: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> torch.Tensor:
+    """For fp8, real output from attention over the raw stored V: (out * v_scale) @ R.T + mu_v.
+
+    Exact because the probabilities of each query sum to 1: sum_j p_j (v8_j * s @ R.T + mu)
+    = (s * sum_j p_j v8_j) @ R.T + mu. out: [T, Hq, D].
+    """
+    if not kv_cache.is_fp8:
+        return out
+    t = kv_cache.fp8_transform(layer, "v")
+    group = out.shape[1] // kv_cache.num_kv_heads
+    v_scale = t.scale.repeat_interleave(group)[None, :, None]  # [1, Hq, 1]
+    v_offset = t.offset.repeat_interleave(group, dim=0)  # [Hq, D]
+    return ((out.float() * v_scale) @ t.rotation.T + v_offset).to(out.dtype)
 
 
 def check_metadata_fits_cache(metadata: AttentionMetadata, kv_cache: PagedKVCache) -> None:

@@ -1,9 +1,10 @@
-"""The paged KV cache: per layer, K and V pages addressed by slot, plus fp8 scales.
+"""The paged KV cache: per layer, K and V pages addressed by slot, plus the fp8 transform.
 
 Invariant: k_caches[l] is the logical view [num_blocks, block_size, num_kv_heads, head_dim] of
 layer l's physical pages k_pages[l] [num_kv_heads, num_blocks, block_size, head_dim];
 slot = block_id * block_size + offset; K is stored already rotated (RoPE applied). An fp8 cache
-stores round(x / scale) per (layer, kv head), so x ~= stored * scale; other dtypes store x.
+stores round(((x - offset) @ rotation) / scale) per (layer, kv head), so x ~= stored * scale @
+rotation.T + offset (fp8.py); other dtypes store x.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class PagedKVCache:
     block_size: int
     k_scales: torch.Tensor | None = None  # fp8 only: [num_layers, num_kv_heads] fp32
     v_scales: torch.Tensor | None = None
+    k_offsets: torch.Tensor | None = None  # fp8 only: [num_layers, num_kv_heads, head_dim] fp32
+    v_offsets: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # fp8 only: [head_dim, head_dim] fp32, orthogonal
 
     @classmethod
     def allocate(
@@ -81,16 +85,15 @@ class PagedKVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        scales = None
-        if dtype == FP8_DTYPE:  # identity scales until calibrated (see fp8.py)
-            scales = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
-        return cls(
-            k_pages=k,
-            v_pages=v,
-            block_size=block_size,
-            k_scales=scales,
-            v_scales=None if scales is None else scales.clone(),
-        )
+        cache = cls(k_pages=k, v_pages=v, block_size=block_size)
+        if dtype == FP8_DTYPE:  # the identity transform until calibrated (see fp8.py)
+            f32 = dict(dtype=torch.float32, device=device)
+            cache.k_scales = torch.ones(num_layers, num_kv_heads, **f32)
+            cache.v_scales = torch.ones(num_layers, num_kv_heads, **f32)
+            cache.k_offsets = torch.zeros(num_layers, num_kv_heads, head_dim, **f32)
+            cache.v_offsets = torch.zeros(num_layers, num_kv_heads, head_dim, **f32)
+            cache.rotation = torch.eye(head_dim, **f32)
+        return cache
 
     @property
     def k_caches(self) -> list[torch.Tensor]:
@@ -123,18 +126,46 @@ class PagedKVCache:
         total = sum(p.numel() * p.element_size() for p in (*self.k_pages, *self.v_pages))
         return total // (self.num_blocks * self.block_size)
 
-    def set_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
-        """Install fp8 scales [num_layers, num_kv_heads]; only before any KV is written."""
+    def set_scales(
+        self,
+        k_scales: torch.Tensor,
+        v_scales: torch.Tensor,
+        *,
+        k_offsets: torch.Tensor | None = None,
+        v_offsets: torch.Tensor | None = None,
+        rotation: torch.Tensor | None = None,
+    ) -> None:
+        """Install the fp8 transform (fp8.KVScales); only before any KV is written.
+
+        scales [num_layers, num_kv_heads] > 0; offsets [num_layers, num_kv_heads, head_dim]
+        (None: zero); rotation [head_dim, head_dim] orthogonal (None: identity).
+        """
         if not self.is_fp8 or self.k_scales is None or self.v_scales is None:
             raise ValueError(f"scales apply to an fp8 KV cache only, this one is {self.dtype}")
+        assert self.k_offsets is not None and self.v_offsets is not None and self.rotation is not None
         for name, new in (("k_scales", k_scales), ("v_scales", v_scales)):
             if new.shape != self.k_scales.shape or not bool((new > 0).all()):
                 raise ValueError(
                     f"{name} must be positive with shape {tuple(self.k_scales.shape)}, "
                     f"got {tuple(new.shape)}"
                 )
+        for name, offsets in (("k_offsets", k_offsets), ("v_offsets", v_offsets)):
+            if offsets is not None and (offsets.shape != self.k_offsets.shape or not bool(offsets.isfinite().all())):
+                raise ValueError(
+                    f"{name} must be finite with shape {tuple(self.k_offsets.shape)}, "
+                    f"got {tuple(offsets.shape)}"
+                )
+        eye = torch.eye(self.rotation.shape[0])
+        if rotation is not None and (
+            rotation.shape != eye.shape
+            or not torch.allclose(rotation.float().cpu() @ rotation.float().cpu().T, eye, atol=1e-5)
+        ):
+            raise ValueError(f"rotation must be an orthogonal {tuple(eye.shape)} matrix")
         self.k_scales.copy_(k_scales)
         self.v_scales.copy_(v_scales)
+        self.k_offsets.copy_(k_offsets if k_offsets is not None else torch.zeros_like(self.k_offsets))
+        self.v_offsets.copy_(v_offsets if v_offsets is not None else torch.zeros_like(self.v_offsets))
+        self.rotation.copy_(rotation if rotation is not None else eye)
 
     def copy_block_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
         """Partial reuse: copy the first num_tokens slots of src into dst, in the given order.
@@ -148,11 +179,18 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter this step's K and V ([T, Hkv, D]) of one layer into their slots (fp8: quantise)."""
-        k_scale = v_scale = None
-        if self.k_scales is not None and self.v_scales is not None:
-            k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
-        _write_pages(self.k_pages[layer], k, slot_mapping, k_scale)
-        _write_pages(self.v_pages[layer], v, slot_mapping, v_scale)
+        k_fp8 = v_fp8 = None
+        if self.is_fp8:
+            k_fp8, v_fp8 = self.fp8_transform(layer, "k"), self.fp8_transform(layer, "v")
+        _write_pages(self.k_pages[layer], k, slot_mapping, k_fp8)
+        _write_pages(self.v_pages[layer], v, slot_mapping, v_fp8)
+
+    def fp8_transform(self, layer: int, which: str) -> Fp8Transform:
+        """Layer `layer`'s K ('k') or V ('v') transform of an fp8 cache."""
+        scales, offsets = (self.k_scales, self.k_offsets) if which == "k" else (self.v_scales, self.v_offsets)
+        if scales is None or offsets is None or self.rotation is None:
+            raise ValueError(f"an fp8 transform exists for an fp8 KV cache only, this one is {self.dtype}")
+        return Fp8Transform(scales[layer], offsets[layer], self.rotation)
 
 
 def gather_pages(
@@ -161,7 +199,8 @@ def gather_pages(
     """pages [Hkv, num_blocks, bs, D] -> [Hkv, n * bs, D] of the given blocks, in `dtype`.
 
     Gathers into a reused buffer; a cache stored in another dtype (bf16, fp8) is converted into a
-    second reused buffer, the raw fp8 values unscaled (scales are folded into q and the output).
+    second reused buffer, the raw fp8 values untransformed (backend.fold_fp8_query and
+    unfold_fp8_output apply the scale, offset and rotation to q and the output instead).
     """
     num_kv_heads, _, block_size, head_dim = pages.shape
     shape = (num_kv_heads, block_ids.numel(), block_size, head_dim)
@@ -190,17 +229,32 @@ def fp8_to_float(src: torch.Tensor, out: torch.Tensor, bits: torch.Tensor) -> to
     return torch.mul(bits.view(torch.float16), 256.0, out=out)
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, Hkv, D], scale [Hkv] -> fp8 values of x / scale, clamped to the fp8 range."""
-    scaled = x.float() / scale[None, :, None]
-    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+@dataclass(frozen=True, slots=True)
+class Fp8Transform:
+    """One layer's K or V fp8 transform: stored = fp8(((x - offset) @ rotation) / scale)."""
+
+    scale: torch.Tensor  # [Hkv] fp32, powers of two
+    offset: torch.Tensor  # [Hkv, D] fp32
+    rotation: torch.Tensor  # [D, D] fp32, orthogonal
+
+
+def quantize_fp8(x: torch.Tensor, transform: Fp8Transform) -> torch.Tensor:
+    """x [T, Hkv, D] -> fp8 values of ((x - offset) @ rotation) / scale, clamped to the fp8 range."""
+    y = (x.float() - transform.offset) @ transform.rotation  # [T, Hkv, D]
+    return (y / transform.scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(stored: torch.Tensor, transform: Fp8Transform, dtype: torch.dtype) -> torch.Tensor:
+    """stored [..., Hkv, D] fp8 -> real values stored * scale @ rotation.T + offset, in `dtype`."""
+    y = (stored.float() * transform.scale[:, None]) @ transform.rotation.T
+    return (y + transform.offset).to(dtype)
 
 
 def _write_pages(
-    pages: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, scale: torch.Tensor | None
+    pages: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor, transform: Fp8Transform | None
 ) -> None:
     num_kv_heads, num_blocks, block_size, head_dim = pages.shape
-    values = quantize_fp8(x, scale) if scale is not None else x.to(pages.dtype)
+    values = quantize_fp8(x, transform) if transform is not None else x.to(pages.dtype)
     flat = pages.view(num_kv_heads, num_blocks * block_size, head_dim)  # [Hkv, slots, D]
     if pages.dtype == FP8_DTYPE:  # index_copy_ has no fp8 CPU kernel; the bytes are the same
         flat, values = flat.view(torch.uint8), values.view(torch.uint8)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from kvmemo.attention.cache import PagedKVCache, describe_kv_bytes, kv_bytes_per_token, resolve_kv_dtype
-from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
+from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments
 from kvmemo.config import EngineConfig, parse_size_bytes
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.connector.tiered import TierStats, TieredStore
@@ -105,12 +105,13 @@ class Engine:
         )
         self.kv_bytes_per_token = bytes_per_token
         kv_namespace = str(kv_dtype)
-        if kv_cache.is_fp8:  # per-(layer, kv head) scales from a fixed text: same weights, same scales
+        if kv_cache.is_fp8:  # per-(layer, kv head) transform from a fixed text: same weights, same one
             scales = calibrate_kv_scales(
-                loaded.model, self.processor.encode_prompt(CALIBRATION_TEXT),
+                loaded.model, calibration_segments(self.processor.encode_prompt),
                 arch.num_hidden_layers, arch.num_key_value_heads,
             )
-            kv_cache.set_scales(scales.k, scales.v)
+            kv_cache.set_scales(scales.k, scales.v, k_offsets=scales.k_offset,
+                                v_offsets=scales.v_offset, rotation=scales.rotation)
             kv_namespace += f":scales={scales.digest()}"  # other scales, other blocks
         root = namespace_root_hash(
             # The compute dtype changes the KV of the same weights, so it joins the fingerprint.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvmemo.attention.cache import FP8_DTYPE, PagedKVCache, quantize_fp8
+from kvmemo.attention.cache import FP8_DTYPE, PagedKVCache, dequantize_fp8, quantize_fp8
 from kvmemo.attention.fp8 import scales_from_amax
 from kvmemo.attention.metadata import AttentionMetadata
 
@@ -41,8 +41,8 @@ class Batch:
         """What the cache holds for x [L, Hkv, D], as real values (dequantised)."""
         dtype = self.cache.dtype
         if dtype == FP8_DTYPE:
-            scale = (self.cache.k_scales if which == "k" else self.cache.v_scales)[0]
-            return quantize_fp8(x, scale).float() * scale[None, :, None]
+            transform = self.cache.fp8_transform(0, which)
+            return dequantize_fp8(quantize_fp8(x, transform), transform, torch.float32)
         return x.to(dtype).float()
 
     def expected(self, scale: float, dequantised: bool = True) -> torch.Tensor:

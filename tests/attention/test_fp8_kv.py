@@ -10,7 +10,7 @@ import torch
 from kvmemo import LLM, SamplingParams
 from kvmemo.attention.backend import ReferenceAttentionBackend
 from kvmemo.attention.cache import PagedKVCache
-from kvmemo.attention.fp8 import CALIBRATION_TEXT, calibrate_kv_scales
+from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments
 from kvmemo.kv.hashing import namespace_root_hash
 from tests.helpers import assert_all_blocks_free
 
@@ -45,14 +45,17 @@ def test_startup_log_states_bytes_per_token_and_ratios(caplog):
     assert "(float8_e4m3fn): 0.25x float32, 0.50x bfloat16" in line
 
 
-def test_scales_are_calibrated_deterministic_and_in_the_namespace(fp8_llm):
+def test_transform_is_calibrated_deterministic_and_in_the_namespace(fp8_llm):
     engine = fp8_llm.engine
     cache = engine.runner.kv_cache
     assert cache.k_scales is not None and not torch.all(cache.k_scales == 1)  # calibrated
     arch = engine.loaded.arch_config
-    again = calibrate_kv_scales(engine.runner.model, engine.processor.encode_prompt(CALIBRATION_TEXT),
+    again = calibrate_kv_scales(engine.runner.model, calibration_segments(engine.processor.encode_prompt),
                                 arch.num_hidden_layers, arch.num_key_value_heads)
     assert torch.equal(again.k, cache.k_scales) and torch.equal(again.v, cache.v_scales)
+    assert torch.equal(again.k_offset, cache.k_offsets) and torch.equal(again.v_offset, cache.v_offsets)
+    assert torch.equal(again.rotation, cache.rotation)
+    assert again.k_offset.abs().amax() > 0.1 and again.v_offset.abs().amax() > 0.1  # real offsets
     fp32_root = namespace_root_hash(
         weights_fingerprint=f"{engine.loaded.weights_fingerprint}:float32", kv_cache_dtype="torch.float32",
         block_size=16)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -79,19 +81,32 @@ def test_fp8_scales_are_validated_and_only_for_fp8():
         fp8.set_scales(torch.ones(2, 2), torch.ones(2, 3))
     with pytest.raises(ValueError, match="v_scales must be positive"):
         fp8.set_scales(torch.ones(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"k_offsets must be finite with shape \(2, 3, 8\)"):
+        fp8.set_scales(torch.ones(2, 3), torch.ones(2, 3), k_offsets=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="v_offsets must be finite"):
+        fp8.set_scales(torch.ones(2, 3), torch.ones(2, 3), v_offsets=torch.full((2, 3, 8), float("nan")))
+    with pytest.raises(ValueError, match=r"rotation must be an orthogonal \(8, 8\) matrix"):
+        fp8.set_scales(torch.ones(2, 3), torch.ones(2, 3), rotation=torch.eye(8) * 2)
     fp32 = PagedKVCache.allocate(num_layers=2, num_blocks=2, block_size=8, num_kv_heads=3, head_dim=8,
                                  dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="fp8 KV cache only"):
         fp32.set_scales(torch.ones(2, 3), torch.ones(2, 3))
 
 
-def test_scale_digest_changes_with_any_scale():
-    base = KVScales(k=torch.full((2, 3), 0.25), v=torch.full((2, 3), 0.5))
-    assert base.digest() == KVScales(k=base.k.clone(), v=base.v.clone()).digest()
+def test_scale_digest_changes_with_any_scale_offset_or_rotation():
+    base = KVScales.plain(torch.full((2, 3), 0.25), torch.full((2, 3), 0.5), head_dim=4)
+    same = KVScales(base.k.clone(), base.v.clone(), base.k_offset.clone(), base.v_offset.clone(),
+                    base.rotation.clone())
+    assert base.digest() == same.digest()
     k = base.k.clone()
     k[1, 2] = 0.125
-    assert KVScales(k=k, v=base.v).digest() != base.digest()
-    assert KVScales(k=base.v, v=base.k).digest() != base.digest()  # K and V are not interchangeable
+    assert replace(base, k=k).digest() != base.digest()
+    assert replace(base, k=base.v, v=base.k).digest() != base.digest()  # K and V are not interchangeable
+    offset = base.k_offset.clone()
+    offset[0, 1, 3] = 0.5
+    assert replace(base, k_offset=offset).digest() != base.digest()
+    assert replace(base, v_offset=offset).digest() not in (base.digest(), replace(base, k_offset=offset).digest())
+    assert replace(base, rotation=base.rotation[[1, 0, 2, 3]]).digest() != base.digest()
 
 
 def test_fast_fp8_conversion_is_exact_for_every_byte():

@@ -1,14 +1,17 @@
 """FP8 KV cache quality: greedy token agreement and perplexity against a full-precision KV.
 
-    python benchmarks/bench_fp8.py [--max-tokens 64] [--chunk 128] [--threads 1]
+    python benchmarks/bench_fp8.py [--max-tokens 64] [--chunk 128] [--threads 1] [--only LABEL --out PATH]
 
 Agreement: 16 prompts x 64 greedy tokens (ignore_eos), each KV dtype against float32 KV: the
 share of equal tokens position by position when generating freely, the share before each
 prompt's first divergence, and teacher-forced (the float32 continuation as context, argmax
 compared at every position, through the paged cache). Perplexity: benchmarks/data/perplexity_text.txt fed in chunks of --chunk tokens
 through the engine's model, paged cache and attention backend, so every chunk (and every token
-within it) reads K/V that went through the KV dtype. "fp8_e4m3 unscaled" is the fp8 cache with
-all scales 1 (the pre-issue-4 plain cast). Writes benchmarks/results/fp8_kv.json.
+within it) reads K/V that went through the KV dtype. "fp8_e4m3" is the engine's calibrated fp8
+transform (offset, rotation, scale; attention/fp8.py); "fp8_e4m3 scales only" keeps its
+per-head scales without offsets or rotation (the design before them), and "fp8_e4m3 unscaled"
+has all scales 1 (the pre-issue-4 plain cast). Writes benchmarks/results/fp8_kv.json;
+--only LABEL (repeatable) runs float32 and those configs and writes --out instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmemo import LLM, SamplingParams  # noqa: E402
+from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments  # noqa: E402
 from kvmemo.attention.metadata import AttentionMetadata  # noqa: E402
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS  # noqa: E402
 
@@ -41,11 +45,12 @@ MORE_PROMPTS = [
     "The planets of the solar system, in order from the sun, are",
     "A good way to learn a new language is",
 ]
-CONFIGS = [  # (label, kv_cache_dtype, unscaled)
-    ("float32", "float32", False),
-    ("bfloat16", "bfloat16", False),
-    ("fp8_e4m3", "fp8_e4m3", False),
-    ("fp8_e4m3 unscaled", "fp8_e4m3", True),
+CONFIGS = [  # (label, kv_cache_dtype, fp8 transform: "calibrated", "scales only" or "unscaled")
+    ("float32", "float32", ""),
+    ("bfloat16", "bfloat16", ""),
+    ("fp8_e4m3", "fp8_e4m3", "calibrated"),
+    ("fp8_e4m3 scales only", "fp8_e4m3", "scales only"),
+    ("fp8_e4m3 unscaled", "fp8_e4m3", "unscaled"),
 ]
 
 
@@ -115,16 +120,28 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", action="append", choices=[c[0] for c in CONFIGS[1:]],
+                        help="run float32 and this config (repeatable); needs --out")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.only and args.out == RESULTS:
+        parser.error("--only writes a partial result: give --out another path")
+    configs = [c for c in CONFIGS if not args.only or c[0] == "float32" or c[0] in args.only]
     torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, tokens = {}, {}
-    for label, kv_dtype, unscaled in CONFIGS:
+    for label, kv_dtype, transform in configs:
         start = time.perf_counter()
         llm = LLM(kv_cache_dtype=kv_dtype, num_blocks=256, enable_prefix_caching=False)
         cache = llm.engine.runner.kv_cache
-        if unscaled:
+        if transform == "unscaled":  # set_scales without offsets or rotation: zero and identity
             cache.set_scales(torch.ones_like(cache.k_scales), torch.ones_like(cache.v_scales))
+        elif transform == "scales only":
+            arch = llm.engine.loaded.arch_config
+            plain = calibrate_kv_scales(
+                llm.engine.runner.model, calibration_segments(llm.engine.processor.encode_prompt),
+                arch.num_hidden_layers, arch.num_key_value_heads, smooth=False)
+            cache.set_scales(plain.k, plain.v)
         text_ids = llm.engine.processor.encode_prompt(TEXT.read_text())
         ppl = paged_perplexity(llm, text_ids, args.chunk)
         prompt_ids = prompts(llm)
@@ -144,8 +161,8 @@ def main() -> int:
         row["agreement_vs_float32"] = agreement(tokens["float32"], tokens[label])
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "num_prompts": 16,
               "max_tokens": args.max_tokens, "chunk": args.chunk, "configs": rows}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
 

@@ -8,7 +8,8 @@ prompt's first divergence, and teacher-forced (the float32 continuation as conte
 compared at every position, through the paged cache). Perplexity: benchmarks/data/perplexity_text.txt fed in chunks of --chunk tokens
 through the engine's model, paged cache and attention backend, so every chunk (and every token
 within it) reads K/V that went through the KV dtype. "fp8_e4m3" is the engine's calibrated fp8
-transform (offset, rotation, scale; attention/fp8.py); "fp8_e4m3 scales only" keeps its
+transform (offsets and scales; attention/fp8.py), "+ rotation" adds the Hadamard rotation
+(calibrate_kv_scales(rotate=True)); "fp8_e4m3 scales only" keeps its
 per-head scales without offsets or rotation (the design before them), and "fp8_e4m3 unscaled"
 has all scales 1 (the pre-issue-4 plain cast). Writes benchmarks/results/fp8_kv.json;
 --only LABEL (repeatable) runs float32 and those configs and writes --out instead.
@@ -45,10 +46,11 @@ MORE_PROMPTS = [
     "The planets of the solar system, in order from the sun, are",
     "A good way to learn a new language is",
 ]
-CONFIGS = [  # (label, kv_cache_dtype, fp8 transform: "calibrated", "scales only" or "unscaled")
+CONFIGS = [  # (label, kv_cache_dtype, fp8 transform: calibrated, rotated, scales only, unscaled)
     ("float32", "float32", ""),
     ("bfloat16", "bfloat16", ""),
     ("fp8_e4m3", "fp8_e4m3", "calibrated"),
+    ("fp8_e4m3 + rotation", "fp8_e4m3", "rotated"),
     ("fp8_e4m3 scales only", "fp8_e4m3", "scales only"),
     ("fp8_e4m3 unscaled", "fp8_e4m3", "unscaled"),
 ]
@@ -136,12 +138,14 @@ def main() -> int:
         cache = llm.engine.runner.kv_cache
         if transform == "unscaled":  # set_scales without offsets or rotation: zero and identity
             cache.set_scales(torch.ones_like(cache.k_scales), torch.ones_like(cache.v_scales))
-        elif transform == "scales only":
+        elif transform in ("scales only", "rotated"):
             arch = llm.engine.loaded.arch_config
-            plain = calibrate_kv_scales(
+            other = calibrate_kv_scales(
                 llm.engine.runner.model, calibration_segments(llm.engine.processor.encode_prompt),
-                arch.num_hidden_layers, arch.num_key_value_heads, smooth=False)
-            cache.set_scales(plain.k, plain.v)
+                arch.num_hidden_layers, arch.num_key_value_heads,
+                smooth=transform == "rotated", rotate=transform == "rotated")
+            cache.set_scales(other.k, other.v, k_offsets=other.k_offset, v_offsets=other.v_offset,
+                             rotation=other.rotation)
         text_ids = llm.engine.processor.encode_prompt(TEXT.read_text())
         ppl = paged_perplexity(llm, text_ids, args.chunk)
         prompt_ids = prompts(llm)

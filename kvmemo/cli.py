@@ -20,7 +20,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size, e.g. 2GiB (default: 2GiB)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16 or fp8_e4m3 (1 byte per value, calibrated per-head offsets, rotation and scales)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16 or fp8_e4m3 (1 byte per value, calibrated per-head offsets and scales)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default: 64)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")

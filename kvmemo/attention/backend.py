@@ -145,7 +145,8 @@ def fold_fp8_query(q: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> torch
     t = kv_cache.fp8_transform(layer, "k")
     group = q.shape[1] // kv_cache.num_kv_heads
     k_scale = t.scale.repeat_interleave(group)  # [Hq]
-    return ((q.float() @ t.rotation) * k_scale[None, :, None]).to(q.dtype)
+    rotated = q if t.rotation is None else (q.float() @ t.rotation)
+    return (rotated.float() * k_scale[None, :, None]).to(q.dtype)
 
 
 def unfold_fp8_output(out: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> torch.Tensor:
@@ -160,7 +161,10 @@ def unfold_fp8_output(out: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> 
     group = out.shape[1] // kv_cache.num_kv_heads
     v_scale = t.scale.repeat_interleave(group)[None, :, None]  # [1, Hq, 1]
     v_offset = t.offset.repeat_interleave(group, dim=0)  # [Hq, D]
-    return ((out.float() * v_scale) @ t.rotation.T + v_offset).to(out.dtype)
+    real = out.float() * v_scale
+    if t.rotation is not None:
+        real = real @ t.rotation.T
+    return (real + v_offset).to(out.dtype)
 
 
 def check_metadata_fits_cache(metadata: AttentionMetadata, kv_cache: PagedKVCache) -> None:

@@ -69,6 +69,7 @@ class PagedKVCache:
     k_offsets: torch.Tensor | None = None  # fp8 only: [num_layers, num_kv_heads, head_dim] fp32
     v_offsets: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # fp8 only: [head_dim, head_dim] fp32, orthogonal
+    _unrotated: bool = True  # rotation is the identity
 
     @classmethod
     def allocate(
@@ -166,6 +167,7 @@ class PagedKVCache:
         self.k_offsets.copy_(k_offsets if k_offsets is not None else torch.zeros_like(self.k_offsets))
         self.v_offsets.copy_(v_offsets if v_offsets is not None else torch.zeros_like(self.v_offsets))
         self.rotation.copy_(rotation if rotation is not None else eye)
+        self._unrotated = bool(torch.equal(self.rotation.cpu(), eye))  # skip two matmuls per layer
 
     def copy_block_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
         """Partial reuse: copy the first num_tokens slots of src into dst, in the given order.
@@ -190,7 +192,7 @@ class PagedKVCache:
         scales, offsets = (self.k_scales, self.k_offsets) if which == "k" else (self.v_scales, self.v_offsets)
         if scales is None or offsets is None or self.rotation is None:
             raise ValueError(f"an fp8 transform exists for an fp8 KV cache only, this one is {self.dtype}")
-        return Fp8Transform(scales[layer], offsets[layer], self.rotation)
+        return Fp8Transform(scales[layer], offsets[layer], None if self._unrotated else self.rotation)
 
 
 def gather_pages(
@@ -235,18 +237,22 @@ class Fp8Transform:
 
     scale: torch.Tensor  # [Hkv] fp32, powers of two
     offset: torch.Tensor  # [Hkv, D] fp32
-    rotation: torch.Tensor  # [D, D] fp32, orthogonal
+    rotation: torch.Tensor | None  # [D, D] fp32, orthogonal; None: the identity
 
 
 def quantize_fp8(x: torch.Tensor, transform: Fp8Transform) -> torch.Tensor:
     """x [T, Hkv, D] -> fp8 values of ((x - offset) @ rotation) / scale, clamped to the fp8 range."""
-    y = (x.float() - transform.offset) @ transform.rotation  # [T, Hkv, D]
+    y = x.float() - transform.offset  # [T, Hkv, D]
+    if transform.rotation is not None:
+        y = y @ transform.rotation
     return (y / transform.scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(stored: torch.Tensor, transform: Fp8Transform, dtype: torch.dtype) -> torch.Tensor:
     """stored [..., Hkv, D] fp8 -> real values stored * scale @ rotation.T + offset, in `dtype`."""
-    y = (stored.float() * transform.scale[:, None]) @ transform.rotation.T
+    y = stored.float() * transform.scale[:, None]
+    if transform.rotation is not None:
+        y = y @ transform.rotation.T
     return (y + transform.offset).to(dtype)
 
 

@@ -29,11 +29,14 @@ def biased(num_tokens: int, bias: float) -> torch.Tensor:
     return torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM) + offset
 
 
-def transformed_cache(num_blocks: int, k: torch.Tensor, v: torch.Tensor, smooth: bool) -> PagedKVCache:
-    """An fp8 cache whose transform fits k/v [N, Hkv, D]: offsets = means, Hadamard rotation."""
+def transformed_cache(
+    num_blocks: int, k: torch.Tensor, v: torch.Tensor, smooth: bool, rotate: bool
+) -> PagedKVCache:
+    """An fp8 cache whose transform fits k/v [N, Hkv, D]: offsets = means (if smooth), Hadamard
+    rotation (if rotate), scales from the transformed maxima."""
     cache = PagedKVCache.allocate(num_layers=1, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                   num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=FP8_DTYPE, device="cpu")
-    rotation = hadamard_rotation(HEAD_DIM) if smooth else torch.eye(HEAD_DIM)
+    rotation = hadamard_rotation(HEAD_DIM) if rotate else torch.eye(HEAD_DIM)
     k_mu = k.mean(0) if smooth else torch.zeros(NUM_KV_HEADS, HEAD_DIM)
     v_mu = v.mean(0) if smooth else torch.zeros(NUM_KV_HEADS, HEAD_DIM)
     k_amax = ((k - k_mu) @ rotation).abs().amax(dim=(0, 2))
@@ -43,7 +46,7 @@ def transformed_cache(num_blocks: int, k: torch.Tensor, v: torch.Tensor, smooth:
     return cache
 
 
-def shared_prefix_step(cached: list[int], new: list[int], bias: float, smooth: bool, seed: int):
+def shared_prefix_step(cached: list[int], new: list[int], bias: float, smooth: bool, rotate: bool, seed: int):
     """Sequences sharing their first 2 physical blocks; cached K/V written through the cache.
 
     Returns (cache, metadata, q, new k, new v, per-sequence full-precision k and v).
@@ -59,7 +62,7 @@ def shared_prefix_step(cached: list[int], new: list[int], bias: float, smooth: b
     shared_k, shared_v = biased(prefix, bias), biased(prefix, bias / 3)
     full_k = [torch.cat([shared_k, biased(c + n - prefix, bias)]) for c, n in zip(cached, new)]
     full_v = [torch.cat([shared_v, biased(c + n - prefix, bias / 3)]) for c, n in zip(cached, new)]
-    cache = transformed_cache(num_blocks, torch.cat(full_k), torch.cat(full_v), smooth)
+    cache = transformed_cache(num_blocks, torch.cat(full_k), torch.cat(full_v), smooth, rotate)
     for table, c, k, v in zip(tables, cached, full_k, full_v):
         slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c)])
         cache.write(0, k[:c], v[:c], slots)
@@ -81,18 +84,20 @@ def stored_values(cache: PagedKVCache, table: list[int], length: int, which: str
     return (raw * scales[:, None]) @ cache.rotation.T + offsets
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("use_cascade", [False, True])
 @pytest.mark.parametrize("new", [[1, 7, 1], [1, 1, 1]])
-def test_offsets_and_rotation_are_exact_on_every_attention_path(monkeypatch, use_cascade, new):
+def test_offsets_and_rotation_are_exact_on_every_attention_path(monkeypatch, use_cascade, new, rotate):
     """Paged (batched decode, kernel or gather; prefill; cascade) == reference == dense attention
     over the decoded pages, with a large per-channel bias the offsets remove."""
     if use_cascade:
         monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 1)
         monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
     cached = [16, 21, 30]
-    cache, md, q, new_k, new_v, _, _ = shared_prefix_step(cached, new, bias=40.0, smooth=True, seed=3)
+    cache, md, q, new_k, new_v, _, _ = shared_prefix_step(cached, new, bias=40.0, smooth=True, rotate=rotate, seed=3)
     assert bool(cascade_prefix_blocks(md)) == use_cascade
-    assert float(cache.k_offsets.abs().max()) > 20 and not torch.equal(cache.rotation, torch.eye(HEAD_DIM))
+    assert float(cache.k_offsets.abs().max()) > 20
+    assert torch.equal(cache.rotation, torch.eye(HEAD_DIM)) != rotate
     got = PagedAttentionBackend(SCALE).forward(0, q, new_k, new_v, cache, md)
     ref = ReferenceAttentionBackend(SCALE).forward(0, q, new_k, new_v, cache, md)  # rewrites same bytes
     expected = []
@@ -105,12 +110,13 @@ def test_offsets_and_rotation_are_exact_on_every_attention_path(monkeypatch, use
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_offsets_and_rotation_shrink_the_error_on_biased_kv():
-    """Against full-precision K/V the transformed cache's error is far below scales-only."""
+@pytest.mark.parametrize("rotate", [False, True])
+def test_offsets_shrink_the_error_on_biased_kv(rotate):
+    """Against full-precision K/V the offset cache's error is far below scales-only."""
     errors = {}
     for smooth in (False, True):
         cache, md, q, new_k, new_v, full_k, full_v = shared_prefix_step(
-            [16, 21, 30], [1, 7, 1], bias=40.0, smooth=smooth, seed=5)
+            [16, 21, 30], [1, 7, 1], bias=40.0, smooth=smooth, rotate=smooth and rotate, seed=5)
         got = PagedAttentionBackend(SCALE).forward(0, q, new_k, new_v, cache, md)
         exact = torch.cat([
             dense_attention(q[md.query_start_loc[s]:md.query_start_loc[s + 1]], full_k[s], full_v[s], SCALE)
@@ -156,7 +162,10 @@ def test_calibrated_offsets_follow_the_attention_not_the_plain_mean():
     # every query gives ~all its weight to the sink: the offsets land on the sink's K and V
     torch.testing.assert_close(got.k_offset[0, 0], model.sink_k, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(got.v_offset[0, 0], model.sink_v, atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(got.rotation, hadamard_rotation(HEAD_DIM))
+    assert torch.equal(got.rotation, torch.eye(HEAD_DIM))  # the default: no rotation
+    rotated = calibrate_kv_scales(model, [list(range(40)), list(range(25))], 1, 1, rotate=True)
+    assert torch.equal(rotated.rotation, hadamard_rotation(HEAD_DIM))
+    assert torch.equal(rotated.k_offset, got.k_offset) and rotated.digest() != got.digest()
     # scales are powers of two that cover the offset, rotated calibration values with headroom
     k = torch.cat([model.noise[:40, 0], model.noise[:25, 0]]) + model.bias
     k[0] = k[40] = model.sink_k

@@ -10,7 +10,7 @@ rotation.T + offset (fp8.py); other dtypes store x.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,7 +69,7 @@ class PagedKVCache:
     k_offsets: torch.Tensor | None = None  # fp8 only: [num_layers, num_kv_heads, head_dim] fp32
     v_offsets: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # fp8 only: [head_dim, head_dim] fp32, orthogonal
-    _unrotated: bool = True  # rotation is the identity
+    _unrotated: bool = field(default=True, init=False, repr=False)  # rotation is the identity
 
     @classmethod
     def allocate(

@@ -69,7 +69,7 @@ class PagedAttentionBackend:
         q = fold_fp8_query(q, kv_cache, layer)
         if plan.cascade_blocks:
             out = cascade_attention(
-                q, kv_cache.k_caches[layer], kv_cache.v_caches[layer], metadata,
+                q, *kv_cache.logical_caches(layer), metadata,
                 plan.cascade_blocks, self.scale,
             )
         else:
@@ -123,7 +123,7 @@ def dequantized_caches(
     kv_cache: PagedKVCache, layer: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s logical K and V caches [num_blocks, bs, Hkv, D] as real values in `dtype`."""
-    k, v = kv_cache.k_caches[layer], kv_cache.v_caches[layer]
+    k, v = kv_cache.logical_caches(layer)
     if not kv_cache.is_fp8:
         return k.to(dtype), v.to(dtype)
     return (

@@ -96,6 +96,13 @@ class PagedKVCache:
             cache.rotation = torch.eye(head_dim, **f32)
         return cache
 
+    def logical_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V as logical views [num_blocks, block_size, Hkv, D] (no copy).
+
+        The per-layer form of k_caches/v_caches, for hot paths: those build every layer's view.
+        """
+        return self.k_pages[layer].permute(1, 2, 0, 3), self.v_pages[layer].permute(1, 2, 0, 3)
+
     @property
     def k_caches(self) -> list[torch.Tensor]:
         """Logical per-layer views [num_blocks, block_size, num_kv_heads, head_dim] (no copy)."""

@@ -33,9 +33,14 @@ from kvmemo.paths import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
-# -ffast-math lets the dot products reassociate into SIMD lanes and exp2f vectorise (libmvec);
-# finite-math stays off because the online softmax starts from -inf.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared"]
+# Reassociation lets the reductions use SIMD lanes. Not -ffast-math: linking a shared object
+# with it pulls in crtfastmath.o, which at load time turns on flush-to-zero / denormals-are-zero
+# for the whole process (it broke hypothesis's float generation in the test suite, and would
+# change torch's numerics); finite-math must stay off anyway, the online softmax starts at -inf.
+CFLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+    "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-fPIC", "-shared",
+]
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8_DTYPE: 3}
 MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the C kernel's fixed tile buffers
 

@@ -73,6 +73,14 @@ def test_kernel_softmax_is_stable_for_large_scores(kernel):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-5)
 
 
+def test_loading_the_kernel_keeps_subnormal_floats(kernel):
+    """The library must not set flush-to-zero for the process (what -ffast-math linking does)."""
+    smallest_normal = float(torch.finfo(torch.float64).tiny)
+    assert smallest_normal / 2 != 0.0  # Python floats: a subnormal survives
+    tiny = torch.tensor(torch.finfo(torch.float32).tiny)
+    assert float(tiny / 2) != 0.0  # and torch's CPU kernels keep float32 subnormals too
+
+
 def test_kernel_refuses_shapes_it_cannot_hold(kernel):
     q = torch.randn(1, 64, 16)
     pages = torch.zeros(1, 2, 8, 16)

@@ -58,6 +58,23 @@ def test_kernel_matches_dense(kernel, dtype, head_dim, group, block_size):
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=2e-5)
 
 
+def test_kernel_decodes_every_fp8_code_exactly(kernel):
+    """One key per sequence: its softmax weight is exactly 1, so the output is the decoded V row.
+    V holds all 254 finite e4m3 codes (subnormals and both zeros included): each must come out
+    bit-equal to torch's own fp8 -> fp32 conversion."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # the two NaN codes are never stored
+    head_dim, batch = 64, 4
+    v_pages = codes.view(FP8_DTYPE).reshape(1, batch, 1, head_dim)  # [Hkv, blocks, bs=1, D]
+    k_pages = torch.zeros_like(v_pages)
+    tables = torch.arange(batch)[:, None]  # sequence b reads block b
+    q = torch.randn(batch, 1, head_dim)
+    out, _ = kernel(q, k_pages, v_pages, tables, None, 0, torch.ones(batch, dtype=torch.int64), 1.0)
+    want = v_pages.float().reshape(batch, 1, head_dim)
+    assert torch.equal(out, want)
+    assert (want[want != 0].abs() < 2.0**-6).sum() == 14  # subnormals really were covered
+
+
 def test_kernel_softmax_is_stable_for_large_scores(kernel):
     """Scores in the thousands (exp would overflow) and far apart (exp would underflow)."""
     torch.manual_seed(0)

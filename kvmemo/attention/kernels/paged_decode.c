@@ -5,7 +5,8 @@
  * [Hkv, num_blocks, bs, D]. No gather: each (sequence, kv head) walks its own pages, converts a
  * tile of at most TILE keys to fp32 in L1 and keeps an online softmax, so K and V cross memory
  * once (a gather reads them, writes a copy, then SDPA reads the copy again). The G = Hq / Hkv
- * query heads sharing a kv head share each loaded key (grouped-query attention without repeats).
+ * query heads sharing a kv head share each loaded key tile (grouped-query attention without
+ * repeats). Vectors are as wide as the build target's registers (VL: 16 lanes with AVX-512, else 8).
  * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded.
  */
 #include <math.h>
@@ -15,8 +16,9 @@
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3 };
 enum { TILE = 16, MAX_D = 256, MAX_GROUP = 32 };
 /* Software prefetch of the pages PREFETCH_TILES tiles ahead, into L2 (locality 1: prefetcht2).
- * Measured at 32 x 1,024 fp32, one thread (ms): none 7.6; 2 ahead into L1 7.2; 3-6 ahead into L2
- * 4.9-5.1; dense SDPA 5.8. L1 has too few miss buffers for a page's worth of lines. */
+ * Measured at 32 x 1,024 fp32, one thread (ms). AVX-512 EPYC: none 7.6; 2 ahead into L1 7.2; 3-6
+ * ahead into L2 4.9-5.1; dense SDPA 5.8 (L1 has too few miss buffers for a page's worth of lines).
+ * AVX2 EPYC (Zen 3): none 6.9, 4 ahead into L2 6.9, into L1 7.5; dense SDPA 7.4. */
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 1
 #endif
@@ -39,16 +41,21 @@ static inline const float *to_f32(const void *src, int64_t offset, int64_t n, in
         const _Float16 *s = (const _Float16 *)src + offset;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) buf[i] = (float)s[i];
-    } else { /* e4m3fn: bias 7; subnormals (exponent 0) are m * 2^-9; 0x7f/0xff (NaN) never stored */
+    } else {
+        /* e4m3fn (bias 7) -> fp32: the 7 magnitude bits shifted into fp32's exponent and mantissa
+         * fields, times 2^(127 - 7), is exact for normals and subnormals alike (a subnormal e4m3
+         * lands on an fp32 denormal, which the multiply scales back up), so the loop vectorises
+         * with no select. 0x7f/0xff (NaN) are never stored. */
         const uint8_t *s = (const uint8_t *)src + offset;
         uint32_t *d = (uint32_t *)buf;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) {
-            uint32_t x = s[i], em = x & 0x7fu, sign = (x & 0x80u) << 24;
-            float sub = (float)em * (1.0f / 512.0f);
-            uint32_t sub_bits;
-            memcpy(&sub_bits, &sub, 4);
-            d[i] = sign | (em < 8u ? sub_bits : (em << 20) + (120u << 23));
+            uint32_t x = s[i], magnitude_bits = (x & 0x7fu) << 20, bits;
+            float magnitude;
+            memcpy(&magnitude, &magnitude_bits, 4);
+            magnitude *= 0x1p120f;
+            memcpy(&bits, &magnitude, 4);
+            d[i] = bits | (x & 0x80u) << 24;
         }
     }
     return buf;
@@ -69,17 +76,27 @@ static inline const float *to_f32(const void *src, int64_t offset, int64_t n, in
 #endif
 
 #ifdef HAVE_VEC
-/* 16 fp32 lanes (one AVX-512 register; two AVX2 or four NEON registers elsewhere). */
-typedef float v16 __attribute__((vector_size(64)));
-#define VEC_CHUNKS(D) ((D) == 64 || (D) == 128)
+/* VL fp32 lanes: one register of the widest vector unit the build targets. A wider type than the
+ * machine has is split by the compiler into several registers, and its cross-lane shuffles are
+ * emulated: on AVX2 a 16-lane kernel ran at 2.2x dense SDPA, spilling 96 half-registers. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8 /* AVX2, or two NEON registers */
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+enum { MAX_CHUNKS = 16 }; /* accumulator registers per head: D / VL */
+#define VEC_CHUNKS(D) ((D) % VL == 0 && (D) / VL <= MAX_CHUNKS && ((D) == 64 || (D) == 128))
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* x[0..15] -> r with r[i] = sum of x[i]'s lanes: a transpose-and-add tree (15 adds, 30 shuffles)
- * instead of 16 separate horizontal sums (~8 dependent ops each). */
-static inline v16 sum_lanes16(v16 *x) {
-    v16 y[8], z[4], w[2];
+/* x[0..VL) -> r with r[i] = sum of x[i]'s lanes: a transpose-and-add tree (VL - 1 adds) instead
+ * of VL separate horizontal sums (each a chain of dependent shuffles and adds). */
+static inline vf sum_lanes(vf *x) {
+#if VL == 16
+    vf y[8], z[4], w[2];
     for (int i = 0; i < 8; i++)
         y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
              + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -91,68 +108,87 @@ static inline v16 sum_lanes16(v16 *x) {
              + __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf y[4], z[2];
+    for (int i = 0; i < 4; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
-/* s[g * TILE + t] = q_g . K_t for n <= 16 keys; each key row is loaded once for all G heads. */
+/* s[g * TILE + t] = q_g . K_t for t < n <= TILE. One head and VL keys at a time, so only VL
+ * partial sums are live (they fit the register file); K rows are re-read per head from L1. */
 static inline __attribute__((always_inline)) void vec_scores(
     const float *restrict qs, const float *restrict K, int64_t n, int G, const int C, float *restrict s) {
-    v16 partial[MAX_GROUP][TILE];
-    for (int64_t t = 0; t < TILE; t++) {
-        v16 k[8];
-        for (int c = 0; c < C; c++) k[c] = t < n ? load16(K + t * C * 16 + c * 16) : (v16){0};
+    for (int64_t t0 = 0; t0 < n; t0 += VL) {
         for (int g = 0; g < G; g++) {
-            v16 a = load16(qs + g * C * 16) * k[0];
-            for (int c = 1; c < C; c++) a += load16(qs + g * C * 16 + c * 16) * k[c];
-            partial[g][t] = a;
+            const float *q = qs + g * C * VL;
+            vf partial[VL];
+            for (int64_t i = 0; i < VL; i++) {
+                const float *k = K + (t0 + i) * C * VL;
+                vf a = (vf){0};
+                if (t0 + i < n) /* never read past the tile: its page may end there */
+                    for (int c = 0; c < C; c++) a += loadv(q + c * VL) * loadv(k + c * VL);
+                partial[i] = a;
+            }
+            storev(s + g * TILE + t0, sum_lanes(partial));
         }
     }
-    for (int g = 0; g < G; g++) store16(s + g * TILE, sum_lanes16(partial[g]));
 }
 
-typedef int32_t i16v __attribute__((vector_size(64)));
+static inline vf selectv(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
 
-static inline v16 select16(i16v mask, v16 yes, v16 no) {
-    return (v16)((mask & (i16v)yes) | (~mask & (i16v)no));
-}
-
-/* exp2_nonpositive on 16 lanes (written with vector types: gcc kept the scalar loop scalar). */
-static inline v16 exp2_vec(v16 x) {
-    x = select16(x < -125.0f, (v16){0} - 125.0f, x);
-    i16v i = __builtin_convertvector(x - 0.5f, i16v);
-    v16 f = x - __builtin_convertvector(i, v16);
-    return TWO_POW_FRACTION(f) * (v16)((i + 127) << 23);
+/* exp2_nonpositive on VL lanes (written with vector types: gcc kept the scalar loop scalar). */
+static inline vf exp2_vec(vf x) {
+    x = selectv(x < -125.0f, (vf){0} - 125.0f, x);
+    vi i = __builtin_convertvector(x - 0.5f, vi);
+    vf f = x - __builtin_convertvector(i, vf);
+    return TWO_POW_FRACTION(f) * (vf)((i + 127) << 23);
 }
 
 /* One tile's online-softmax step for one head: s[0..n) (log2 units) -> probabilities in place.
  * Updates the running max *m and sum *l; returns alpha, the factor the accumulator must take. */
 static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) {
-    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i16v valid = lane < (int32_t)n;
-    v16 x = select16(valid, load16(s), (v16){0} - INFINITY);
+    vi lane;
+    for (int i = 0; i < VL; i++) lane[i] = i;
+    vf x[TILE / VL];
     float tile_max = *m;
-    for (int i = 0; i < 16; i++) tile_max = x[i] > tile_max ? x[i] : tile_max;
-    v16 p = (v16)((i16v)exp2_vec(x - tile_max) & valid);
+    for (int j = 0; j < TILE / VL; j++) {
+        x[j] = selectv(lane + j * VL < (int32_t)n, loadv(s + j * VL), (vf){0} - INFINITY);
+        for (int i = 0; i < VL; i++) tile_max = x[j][i] > tile_max ? x[j][i] : tile_max;
+    }
+    vf sums = (vf){0};
+    for (int j = 0; j < TILE / VL; j++) {
+        vf p = (vf)((vi)exp2_vec(x[j] - tile_max) & (lane + j * VL < (int32_t)n));
+        sums += p;
+        storev(s + j * VL, p);
+    }
     float sum = 0.0f;
-    for (int i = 0; i < 16; i++) sum += p[i];
+    for (int i = 0; i < VL; i++) sum += sums[i];
     float alpha = exp2f(*m - tile_max); /* *m = -inf on the first tile: alpha = 0 */
     *l = *l * alpha + sum;
     *m = tile_max;
-    store16(s, p);
     return alpha;
 }
 
-/* acc[0..16C) = acc * alpha + sum_t p[t] * V_t, the accumulator held in registers across keys. */
+/* acc[0..VL*C) = acc * alpha + sum_t p[t] * V_t, the accumulator held in registers across keys. */
 static inline __attribute__((always_inline)) void vec_accumulate(
     float *restrict acc, float alpha, const float *restrict p, const float *restrict V, int64_t n, const int C) {
-    v16 a[8];
-    for (int c = 0; c < C; c++) a[c] = load16(acc + c * 16) * alpha;
+    vf a[MAX_CHUNKS];
+    for (int c = 0; c < C; c++) a[c] = loadv(acc + c * VL) * alpha;
     for (int64_t t = 0; t < n; t++) {
-        v16 pt = (v16){0} + p[t];
-        for (int c = 0; c < C; c++) a[c] += pt * load16(V + t * C * 16 + c * 16);
+        vf pt = (vf){0} + p[t];
+        for (int c = 0; c < C; c++) a[c] += pt * loadv(V + t * C * VL + c * VL);
     }
-    for (int c = 0; c < C; c++) store16(acc + c * 16, a[c]);
+    for (int c = 0; c < C; c++) storev(acc + c * VL, a[c]);
 }
 #else
+#define VL 1 /* no vector path: the scalar loops below run */
 #define VEC_CHUNKS(D) 0
 static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) { return 0.0f; }
 static inline void vec_scores(const float *qs, const float *K, int64_t n, int G, int C, float *s) {}
@@ -215,7 +251,7 @@ static inline __attribute__((always_inline)) void attend_one(
         const float *V = to_f32(v_pages, offset, n * D, dtype, vbuf);
         float *scores = s;
         if (VEC_CHUNKS(D)) {
-            vec_scores(qs, K, n, G, D / 16, s);
+            vec_scores(qs, K, n, G, D / VL, s);
         } else {
             for (int64_t t = 0; t < n; t++) {
                 for (int g = 0; g < G; g++) {
@@ -230,7 +266,7 @@ static inline __attribute__((always_inline)) void attend_one(
             float *sg = scores + g * TILE;
             if (VEC_CHUNKS(D)) {
                 float alpha = vec_softmax_tile(sg, n, &m[g], &l[g]);
-                vec_accumulate(acc + g * D, alpha, sg, V, n, D / 16);
+                vec_accumulate(acc + g * D, alpha, sg, V, n, D / VL);
                 continue;
             }
             float tile_max = m[g];

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from kvmemo.attention.backend import PagedAttentionBackend  # noqa: E402
 from kvmemo.attention import paged  # noqa: E402
 from kvmemo.attention.cache import PagedKVCache  # noqa: E402
 from kvmemo.attention.metadata import AttentionMetadata  # noqa: E402
+from machine_info import cpu_label  # noqa: E402  (benchmarks/, the script's own directory)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -179,7 +179,7 @@ def main() -> int:
         profile_decode(32, 1024)
         return 0
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "machine": {"cpu": cpu_label(), "torch": torch.__version__,
                     "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         "decode": decode_bench(32, 1024, args.repeats),
         "prefill": prefill_bench(4, 896, 128, args.repeats),

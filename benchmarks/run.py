@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from engines.base import Completion, EngineRunner  # noqa: E402
+from machine_info import cpu_label  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
 ENGINES = {"kvmemo": "engines.kvmemo_runner", "llama.cpp": "engines.llamacpp_runner",
@@ -77,13 +78,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    return {"cpu": cpu_label(), "cores": os.cpu_count(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 

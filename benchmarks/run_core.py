@@ -20,6 +20,9 @@ import torch
 
 from kvmemo import LLM, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported as benchmarks.run_core
+from machine_info import cpu_label  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 WORDS = ("river stone light market garden window paper silver engine forest music winter "
@@ -114,15 +117,7 @@ def bench_hashing() -> dict:
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_label(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"), "commit": _git_commit()}
 

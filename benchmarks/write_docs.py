@@ -39,7 +39,7 @@ def attention_section(r: dict) -> str:
     dm, pm, dn, pn = d["ms"], p["ms"], d["min_ms"], p["min_ms"]
     return f"""## Paged attention vs dense SDPA (`benchmarks/bench_attention.py`)
 
-One layer call, fp32 compute, block size 16, shuffled block tables, {m['threads']} torch thread(s),
+{m['cpu']}; one layer call, fp32 compute, block size 16, shuffled block tables, {m['threads']} torch thread(s),
 torch {m['torch']}, {m['date']}; median (min) ms of interleaved runs. Paged = `PagedAttentionBackend.forward`
 (K/V write + attention; decode through the compiled CPU kernel that reads pages in place, or, in
 the gather row, the torch fallback); dense = `F.scaled_dot_product_attention` alone over

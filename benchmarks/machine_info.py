@@ -1,0 +1,35 @@
+"""Which machine a benchmark ran on: CPU model and its widest vector instruction set.
+
+The model name alone is not enough here: the VM reports "AMD EPYC" for both an AVX-512 machine
+and an AVX2-only one, and the decode kernel's speed differs between them by 2x. Stdlib only, so
+the peers' virtualenvs can import it.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def vector_isa() -> str:
+    """'avx512', 'avx2', 'neon' or the machine name when neither is known."""
+    flags = set((_cpuinfo_field("flags") or _cpuinfo_field("Features") or "").split())
+    for isa, flag in (("avx512", "avx512f"), ("avx2", "avx2"), ("neon", "asimd")):
+        if flag in flags:
+            return isa
+    return platform.machine()
+
+
+def cpu_label() -> str:
+    """e.g. 'AMD EPYC (avx2)'."""
+    return f"{_cpuinfo_field('model name') or platform.machine()} ({vector_isa()})"

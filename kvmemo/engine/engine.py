@@ -23,6 +23,7 @@ from kvmemo.config import EngineConfig, parse_size_bytes
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.connector.tiered import TierStats, TieredStore
 from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
+from kvmemo.engine.cpu_malloc import keep_freed_memory
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.model_runner import ModelRunner
@@ -69,6 +70,8 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # prefill's activations are reused, not page-faulted in again
         start = time.perf_counter()
         loaded = load_model(config.model, dtype=_DTYPES[config.dtype], device=str(self.device))
         self.loaded = loaded

@@ -70,7 +70,7 @@ class PagedAttentionBackend:
         if plan.cascade_blocks:
             out = cascade_attention(
                 q, *kv_cache.logical_caches(layer), metadata,
-                plan.cascade_blocks, self.scale,
+                plan.cascade_blocks, self.scale, self.workspace, plan.cascade_first_block,
             )
         else:
             out = paged_attention_pages(

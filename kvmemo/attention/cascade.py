@@ -65,6 +65,15 @@ def _pays_off(num_seqs: int, prefix_len: int) -> bool:
     )
 
 
+def contiguous_run_start(block_ids: torch.Tensor) -> int | None:
+    """block_ids[0] when the ids ascend by exactly one (their pages lie back to back), else None."""
+    if block_ids.numel() == 0:
+        return None
+    if block_ids.numel() > 1 and not bool((block_ids[1:] - block_ids[:-1] == 1).all()):
+        return None
+    return int(block_ids[0])
+
+
 def cascade_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -73,16 +82,25 @@ def cascade_attention(
     prefix_blocks: int,
     scale: float,
     workspace: Workspace | None = None,
+    prefix_first_block: int | None = None,
 ) -> torch.Tensor:
     """Attention of the whole batch with the first prefix_blocks blocks shared. Returns [T, Hq, D].
 
     k_cache/v_cache are logical [num_blocks, bs, Hkv, D] views; pages are read head-major.
+    prefix_first_block (see contiguous_run_start) lets the prefix be read in place, no gather.
     """
     workspace = workspace or Workspace()
     k_pages, v_pages = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)  # [Hkv, nb, bs, D]
-    prefix_ids = metadata.block_tables[0, :prefix_blocks]
-    k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)  # [Hkv, Lp, D]
-    v_prefix = gather_pages(v_pages, prefix_ids, q.dtype, "cascade_v", workspace)
+    if prefix_first_block is not None and k_pages.dtype == q.dtype:
+        # A prefix computed on a fresh pool usually got consecutive blocks: a view of its pages
+        # saves copying every prefix key and value in every layer of every step.
+        blocks = slice(prefix_first_block, prefix_first_block + prefix_blocks)
+        k_prefix = k_pages[:, blocks].flatten(1, 2)  # [Hkv, Lp, D], strided across heads
+        v_prefix = v_pages[:, blocks].flatten(1, 2)
+    else:
+        prefix_ids = metadata.block_tables[0, :prefix_blocks]
+        k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)  # [Hkv, Lp, D]
+        v_prefix = gather_pages(v_pages, prefix_ids, q.dtype, "cascade_v", workspace)
     o_prefix, lse_prefix = _prefix_attention(q, k_prefix, v_prefix, scale)
     o_suffix, lse_suffix = _suffix_attention(q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace)
     return merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix).to(q.dtype)

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvmemo.attention.cascade import cascade_attention, cascade_prefix_blocks, merge_attention_states
+from kvmemo.attention.cascade import (
+    cascade_attention,
+    cascade_prefix_blocks,
+    contiguous_run_start,
+    merge_attention_states,
+)
 from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cpu_kernel import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
@@ -37,6 +42,9 @@ class StepPlan:
     """What every layer of one step needs to know about the batch, derived once from metadata."""
 
     cascade_blocks: int  # > 0: the batch shares this many cached leading blocks (cascade.py)
+    # The shared blocks' first id when their ids ascend by one, so their pages lie back to back and
+    # attention reads them in place; None: they are gathered.
+    cascade_first_block: int | None
     decode_seqs: list[int]  # sequences with exactly one new token
     decode_rows: torch.Tensor | None  # [B] their query rows; None when the whole batch decodes
     decode_block_ids: torch.Tensor | None  # [B * nb] pages of every decode sequence, padded
@@ -52,6 +60,7 @@ class StepPlan:
     def build(cls, metadata: AttentionMetadata) -> StepPlan:
         block_size = metadata.block_size
         cascade_blocks = cascade_prefix_blocks(metadata)
+        cascade_first_block = contiguous_run_start(metadata.block_tables[0, :cascade_blocks])
         decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
         rows = block_ids = valid = table_rows = decode_lens = None
         num_blocks = 0
@@ -86,7 +95,7 @@ class StepPlan:
                     )
                 )
         return cls(
-            cascade_blocks, decode, rows, block_ids, num_blocks, valid, metadata.block_tables,
+            cascade_blocks, cascade_first_block, decode, rows, block_ids, num_blocks, valid, metadata.block_tables,
             table_rows, decode_lens, prefills,
         )
 
@@ -117,7 +126,10 @@ def paged_attention(
     """
     plan = StepPlan.build(metadata)
     if plan.cascade_blocks:
-        return cascade_attention(q, k_cache, v_cache, metadata, plan.cascade_blocks, scale, workspace)
+        return cascade_attention(
+            q, k_cache, v_cache, metadata, plan.cascade_blocks, scale, workspace,
+            plan.cascade_first_block,
+        )
     k_pages, v_pages = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)  # head-major views
     return paged_attention_pages(q, k_pages, v_pages, plan, scale, workspace or Workspace())
 

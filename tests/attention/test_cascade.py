@@ -42,8 +42,12 @@ def build_batch(
     new: list[int],
     rng: random.Random,
     dtype: torch.dtype = torch.float32,
+    ascending_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Sequences whose tables start with the same prefix_blocks physical blocks, own blocks after.
+
+    The shared blocks are random ids, or with ascending_prefix one run of consecutive ids (as a
+    prefix computed on a fresh pool gets), the other blocks still shuffled around them.
 
     Sequence s's K/V for positions [0, computed[s]) is written before the step, the new tokens
     through slot_mapping; shared positions hold one K/V for everybody. Returns q, k/v cache, md.
@@ -53,7 +57,12 @@ def build_batch(
     num_blocks = prefix_blocks + sum(max(b, 0) for b in own_blocks) + 2
     ids = list(range(num_blocks))
     rng.shuffle(ids)  # physical ids are not contiguous
-    shared = [ids.pop() for _ in range(prefix_blocks)]
+    if ascending_prefix:
+        start = rng.randint(0, num_blocks - prefix_blocks)
+        shared = list(range(start, start + prefix_blocks))
+        ids = [i for i in ids if i not in shared]
+    else:
+        shared = [ids.pop() for _ in range(prefix_blocks)]
     tables = [
         shared + [ids.pop() for _ in range(b)] if b >= 0 else shared[: prefix_blocks + b]
         for b in own_blocks
@@ -135,6 +144,46 @@ def test_cascade_matches_reference_on_random_shared_prefix_batches(any_prefix, g
             rtol=1e-5,
             msg=f"P={prefix_blocks} computed={computed} new={new}",
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_ascending_prefix_is_read_in_place(any_prefix, monkeypatch, dtype):
+    """Consecutive shared block ids: attention reads the prefix's pages as a view (no gather of
+    them) and still equals the reference."""
+    gathered: list[str] = []
+    real_gather = cascade.gather_pages
+
+    def recording_gather(pages, block_ids, to_dtype, name, workspace):
+        gathered.append(name)
+        return real_gather(pages, block_ids, to_dtype, name, workspace)
+
+    monkeypatch.setattr(cascade, "gather_pages", recording_gather)
+    for seed in range(4):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        block_size = rng.choice([8, 16])
+        prefix_blocks = rng.randint(1, 5)
+        num_seqs = rng.randint(2, 5)
+        computed = [prefix_blocks * block_size + rng.randint(0, 2 * block_size) for _ in range(num_seqs)]
+        new = [rng.choice([1, rng.randint(2, 2 * block_size)]) for _ in range(num_seqs)]
+        q, k_cache, v_cache, md = build_batch(
+            prefix_blocks=prefix_blocks, block_size=block_size, group=3, computed=computed,
+            new=new, rng=rng, dtype=dtype, ascending_prefix=True,
+        )
+        gathered.clear()
+        got = paged_attention(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        assert "cascade_k" not in gathered and "cascade_v" not in gathered
+        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        torch.testing.assert_close(got, expected, atol=2e-2 if dtype != torch.float32 else 1e-5,
+                                   rtol=2e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_contiguous_run_start():
+    assert cascade.contiguous_run_start(torch.tensor([7, 8, 9])) == 7
+    assert cascade.contiguous_run_start(torch.tensor([4])) == 4
+    assert cascade.contiguous_run_start(torch.tensor([7, 9, 10])) is None
+    assert cascade.contiguous_run_start(torch.tensor([9, 8, 7])) is None
+    assert cascade.contiguous_run_start(torch.tensor([], dtype=torch.int64)) is None
 
 
 @pytest.mark.parametrize("use_prefix_blocks", [1, 2, 3])

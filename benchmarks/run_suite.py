@@ -10,6 +10,8 @@ run), results land in benchmarks/results/peers/, and docs/benchmarks.md is regen
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import shutil
 import subprocess
 import sys
@@ -48,7 +50,19 @@ def run(engine: str, workload: str, caching: bool, workload_dir: Path, model: st
     if not caching:
         cmd.append("--no-prefix-caching")
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=engine_env(engine))
+
+
+def engine_env(engine: str) -> dict[str, str]:
+    """The environment each engine is run with: vLLM as its CPU docs advise (a KV space, and
+    tcmalloc preloaded when installed; setup_vllm.sh installs it where apt-get works)."""
+    env = dict(os.environ)
+    if engine == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        tcmalloc = sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so*"))
+        if tcmalloc:
+            env["LD_PRELOAD"] = tcmalloc[0]
+    return env
 
 
 def main() -> None:

@@ -1,0 +1,105 @@
+"""CPU kernels in plain C: compiled once per machine with the system compiler, cached, loaded.
+
+Invariant: `load_library(source, purpose)` returns a loaded library or None, never raises; None (no
+C compiler, a failed build, KVMEMO_CPU_KERNEL=0) means the caller uses its torch path, which
+computes the same values. A shared object is cached under
+<cache_root>/kernels/<source stem>-<digest of source, flags, compiler, CPU>.so, written to a temp
+file and renamed, so concurrent processes and a different CPU behind the same home directory are
+safe.
+
+Why plain C and ctypes, not torch C++ extensions: torch's headers make a build take minutes (210 s
+measured here), a plain C file about a second, and the kernels only need raw pointers. They link
+the OpenMP runtime torch already loaded (same soname), so they share torch's threads and count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvmemo.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+# Reassociation lets the reductions use SIMD lanes. Not -ffast-math: linking a shared object
+# with it pulls in crtfastmath.o, which at load time turns on flush-to-zero / denormals-are-zero
+# for the whole process (it broke hypothesis's float generation in the test suite, and would
+# change torch's numerics); finite-math must stay off anyway, the online softmax starts at -inf.
+CFLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+    "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-fPIC", "-shared",
+]
+
+
+def load_library(source: Path, purpose: str) -> ctypes.CDLL | None:
+    """The compiled `source` for this machine (built on first use, then cached), or None.
+
+    `purpose` names the kernel and its fallback in the log line a missing kernel gets.
+    """
+    if os.environ.get("KVMEMO_CPU_KERNEL", "1") == "0":
+        logger.info("CPU kernels disabled by KVMEMO_CPU_KERNEL=0: %s", purpose)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler (cc/gcc) found: %s (slower)", purpose)
+        return None
+    try:
+        return _load_or_rebuild(source, compiler)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("CPU kernel %s unavailable (%s): %s (slower)", source.name, e, purpose)
+        return None
+
+
+def _load_or_rebuild(source: Path, compiler: str) -> ctypes.CDLL:
+    """The cached build, or a fresh one when the cached file does not load (truncated, damaged)."""
+    path = _build(source, compiler)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        logger.warning("rebuilding unreadable cached kernel %s: %s", path, e)
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_build(source, compiler)))
+
+
+def _build(source: Path, compiler: str) -> Path:
+    """Compile source unless a build for this source, compiler, flags and CPU is cached."""
+    text = source.read_bytes()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(text)
+    for part in (" ".join(CFLAGS), version, platform.machine(), _cpu_flags()):
+        key.update(part.encode())
+    target = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *CFLAGS, str(source), "-o", str(built), "-lm"],
+            capture_output=True, text=True, timeout=300,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: another process sees the whole file or none
+    logger.info("built CPU kernel %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native code must not run on another CPU model)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

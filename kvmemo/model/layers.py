@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmemo.model.skinny_linear import linear
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 like HF's LlamaRMSNorm."""
@@ -121,7 +123,8 @@ class GatedMLP(nn.Module):
         # it: MKL runs the [T, 576] x [576, 3072] shape ~25% below its [.., 1536] rate on CPU
         # (measured: MLP 74.6 -> 63.3 ms at T=1,024, 3.1 -> 2.8 ms at T=32, one thread), and the
         # in-place silu/mul spares two [T, I] temporaries.
+        # linear(): decode steps' few rows go through a kernel that streams each weight once.
         weight = self.gate_up_proj.weight
-        gate = F.linear(x, weight[: self.intermediate_size])  # [T, I]
-        up = F.linear(x, weight[self.intermediate_size :])
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]
+        gate = linear(x, weight[: self.intermediate_size])  # [T, I]
+        up = linear(x, weight[self.intermediate_size :])
+        return linear(F.silu(gate, inplace=True).mul_(up), self.down_proj.weight)  # [T, hidden]

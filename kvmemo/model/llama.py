@@ -13,6 +13,7 @@ from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvmemo.model.skinny_linear import linear
 
 # attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +47,8 @@ class DecoderLayer(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [T, (H + 2*KV) * D]
+        normed = self.input_layernorm(hidden)
+        qkv = linear(normed, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2*KV) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -54,7 +56,8 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = attention(layer_idx, q, k, v)  # [T, H, D]
-        hidden = hidden + self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        out = linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        hidden = hidden + out  # [T, hidden]
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -137,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once

@@ -90,7 +90,8 @@ def bench_concurrent_zero_hit(make_llm, num_requests: int = 32, rounds: int = 3)
     timing all of one mode first measured the process's history (run right after the prefill
     benchmark, caching on came out 12.6% slower; alone, each mode took the same 22 s).
     """
-    llms = {mode: make_llm(enable_prefix_caching=mode == "caching_on") for mode in ("caching_on", "caching_off")}
+    llms = {mode: make_llm(enable_prefix_caching=mode == "caching_on")
+            for mode in ("caching_on", "caching_off")}
     prompts = [random_token_prompt(llms["caching_on"], 256, seed=1000 + i) for i in range(num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for llm in llms.values():
@@ -108,7 +109,8 @@ def bench_concurrent_zero_hit(make_llm, num_requests: int = 32, rounds: int = 3)
         result[mode] = {"wall_s": round(wall, 2), "output_tok_s": round(num_requests * 64 / wall, 1),
                         "total_tok_s": round(num_requests * (256 + 64) / wall, 1),
                         "runs_s": [round(t, 2) for t in times]}
-    result["on_over_off_slowdown"] = round(result["caching_on"]["wall_s"] / result["caching_off"]["wall_s"] - 1, 4)
+    on, off = result["caching_on"]["wall_s"], result["caching_off"]["wall_s"]
+    result["on_over_off_slowdown"] = round(on / off - 1, 4)
     return result
 
 

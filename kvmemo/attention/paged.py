@@ -95,8 +95,8 @@ class StepPlan:
                     )
                 )
         return cls(
-            cascade_blocks, cascade_first_block, decode, rows, block_ids, num_blocks, valid, metadata.block_tables,
-            table_rows, decode_lens, prefills,
+            cascade_blocks, cascade_first_block, decode, rows, block_ids, num_blocks, valid,
+            metadata.block_tables, table_rows, decode_lens, prefills,
         )
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
 """glibc malloc tuned for CPU inference: freed activation buffers stay in the process.
 
-Invariant: only glibc's mmap/trim thresholds change (never what any allocation returns), once per
-process; nothing is done without glibc, where the user tuned malloc already (MALLOC_*_ or
-GLIBC_TUNABLES in the environment), or where another allocator is preloaded (tcmalloc, jemalloc).
+Invariant: only glibc's mmap/trim thresholds change (never what any allocation returns), to the
+same values at every CPU engine start (so repeating it is harmless); nothing is done without
+glibc, where the user tuned malloc already (MALLOC_*_ or GLIBC_TUNABLES in the environment), or
+where another allocator is preloaded (tcmalloc, jemalloc, mimalloc).
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ class _Mallopt(Protocol):
 def keep_freed_memory(libc: _Mallopt | None = None, environ: dict[str, str] | None = None) -> bool:
     """Raise glibc's mmap and trim thresholds for this process; True if they were set."""
     environ = dict(os.environ) if environ is None else environ
-    user_tuned = [k for k in environ if k == "GLIBC_TUNABLES" or (k.startswith("MALLOC_") and k.endswith("_"))]
+    user_tuned = [
+        k for k in environ if k == "GLIBC_TUNABLES" or (k.startswith("MALLOC_") and k.endswith("_"))
+    ]
     preload = environ.get("LD_PRELOAD", "")
     if user_tuned or any(name in preload for name in ("tcmalloc", "jemalloc", "mimalloc")):
-        logger.info("malloc left as configured (%s)", ", ".join(user_tuned) or f"LD_PRELOAD={preload}")
+        why = ", ".join(user_tuned) or f"LD_PRELOAD={preload}"
+        logger.info("malloc left as configured (%s)", why)
         return False
     if libc is None:
         libc = _load_glibc()

@@ -43,7 +43,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (
         x.dim() == 2
         and x.shape[0] <= MAX_ROWS
-        and x.device.type == "cpu"
+        # Raw pointers: anything F.linear would reject (another device, mismatched K) must go
+        # there for its error, never into the kernel.
+        and x.device.type == weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
         and x.dtype == weight.dtype == torch.float32
         and weight.is_contiguous()
         # The kernel has no backward: leave products autograd needs to F.linear.

@@ -75,3 +75,13 @@ def test_without_a_kernel_it_is_f_linear(monkeypatch):
     monkeypatch.setattr(skinny_linear, "_kernel", lambda: None)
     x, weight = torch.randn(2, 24), torch.randn(8, 24)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=0, atol=0)
+
+
+def test_other_weight_shapes_are_f_linear_s_business(kernel_calls):
+    """A wrong in_features must be F.linear's error, not the kernel reading past the weight; a
+    1-D weight (which F.linear takes) gets F.linear's answer."""
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(2, 32), torch.randn(8, 16))
+    x, vector = torch.randn(2, 32), torch.randn(32)
+    torch.testing.assert_close(linear(x, vector), F.linear(x, vector))
+    assert kernel_calls == []

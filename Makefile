@@ -26,9 +26,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) benchmarks/run_core.py
+	$(PY) -m benchmarks.runners.run_core
 	# W0-W2 and W4 for kvmemo, each in a fresh process; JSON, PNG charts, docs/benchmarks.md.
-	$(PY) benchmarks/run_suite.py --engines kvmemo --online-rate 2
+	$(PY) -m benchmarks.runners.run_suite --engines kvmemo --online-rate 2
 
 # The peers, each in its own virtualenv (llama.cpp compiles for ~10 min; vLLM is ~3.4 GB).
 bench-peers: $(STAMP)
@@ -36,7 +36,7 @@ bench-peers: $(STAMP)
 	test -x benchmarks/peers/.venv-llamacpp/bin/python || benchmarks/peers/setup_llamacpp.sh
 	test -x benchmarks/peers/.venv-hf/bin/python || benchmarks/peers/setup_hf.sh
 	test -x benchmarks/peers/.venv-vllm/bin/python || benchmarks/peers/setup_vllm.sh
-	$(PY) benchmarks/run_suite.py --engines llama.cpp,hf,vllm --online-rate 2
+	$(PY) -m benchmarks.runners.run_suite --engines llama.cpp,hf,vllm --online-rate 2
 
 clean-venv:
 	rm -rf $(VENV)

@@ -3,7 +3,9 @@
 Invariant: the same seed and tokenizer give the same token ids, so every engine runs exactly the
 same requests from the same JSON file; token counts in the file are exact, not estimates.
 
-Run: `python benchmarks/workloads.py --out benchmarks/workloads/` writes one JSON per workload.
+Run: `python -m benchmarks.workloads` writes one JSON per workload to
+benchmarks/generated_workloads/ (ignored by git; runners.run_suite rewrites it before each suite).
+Stdlib only at import: runners.run imports this module inside the peers' virtualenvs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.paths import GENERATED_WORKLOADS
 
 WORKLOADS = ("W0", "W1", "W2", "W4")
 DEFAULT_SEED = 0
@@ -173,14 +177,14 @@ def build_workload(name: str, tokenizer: Any, seed: int = DEFAULT_SEED, scale: f
     if name == "W2":
         return build_w2(tokenizer, seed, n(8), 4 if scale == 1 else 2, n(256), n(48))
     w1 = build_w1(tokenizer, seed, n(32), n(1024), 32)
-    if name == "W4":  # W1 again, in a fresh process over the same disk store (run.py handles it)
+    if name == "W4":  # W1 again, in a fresh process over the same disk store (run_suite does it)
         w1.name, w1.description = "W4", "W1 in one process, then again in a fresh process on the same disk store"
     return w1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write the benchmark workloads as JSON.")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "workloads"), help="directory")
+    parser.add_argument("--out", default=str(GENERATED_WORKLOADS), help="directory")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--scale", type=float, default=1.0, help="shrink for smoke runs, (0, 1]")
     args = parser.parse_args()

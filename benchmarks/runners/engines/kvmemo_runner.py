@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.base import EngineRunner
+from benchmarks.runners.engines.base import EngineRunner
 
 
 class KvmemoRunner(EngineRunner):

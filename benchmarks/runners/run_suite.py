@@ -1,10 +1,12 @@
 """The side-by-side suite: workloads -> every (engine, workload) in a fresh process -> charts + docs.
 
-    python benchmarks/run_suite.py                       # kvmemo: W0 (caching on and off), W1, W2, W4
-    python benchmarks/run_suite.py --engines llama.cpp,hf,vllm   # peers, from their own venvs
+    python -m benchmarks.runners.run_suite         # kvmemo: W0 (caching on and off), W1, W2, W4
+    python -m benchmarks.runners.run_suite --engines llama.cpp,hf,vllm  # peers, in their venvs
 
 Invariant: each run is its own process (no warm state leaks between engines or into W4's second
 run), results land in benchmarks/results/peers/, and docs/benchmarks.md is regenerated from them.
+Every step is started as `python -m benchmarks.<module>` from the repository root; a peer's run
+uses that peer's python (see runners/run.py for why that imports fine there).
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results" / "peers"
+from benchmarks.paths import GENERATED_WORKLOADS, PEER_RESULTS, PEERS, RESULTS, ROOT
+
 PEER_PYTHON = {
-    "llama.cpp": HERE / "peers" / ".venv-llamacpp" / "bin" / "python",
-    "hf": HERE / "peers" / ".venv-hf" / "bin" / "python",
-    "vllm": HERE / "peers" / ".venv-vllm" / "bin" / "python",
+    "llama.cpp": PEERS / ".venv-llamacpp" / "bin" / "python",
+    "hf": PEERS / ".venv-hf" / "bin" / "python",
+    "vllm": PEERS / ".venv-vllm" / "bin" / "python",
 }
 SETUP_SCRIPT = {"llama.cpp": "setup_llamacpp.sh", "hf": "setup_hf.sh", "vllm": "setup_vllm.sh"}
 # Which workloads each engine runs: sequential peers are slow and vLLM takes ~2.5 min to start,
@@ -44,13 +45,18 @@ def run(engine: str, workload: str, caching: bool, workload_dir: Path, model: st
     if not Path(python).exists():
         raise SystemExit(f"{python} is missing: run benchmarks/peers/{SETUP_SCRIPT[engine]} first")
     suffix = "" if caching else "-nocache"
-    out = out or RESULTS / f"{engine}-{workload}-{mode}{suffix}.json"
-    cmd = [python, str(HERE / "run.py"), "--engine", engine, "--workload", workload, "--mode", mode,
-           "--workload-dir", str(workload_dir), "--model", model, "--out", str(out), *(extra or [])]
+    out = out or PEER_RESULTS / f"{engine}-{workload}-{mode}{suffix}.json"
+    cmd = [python, "-m", "benchmarks.runners.run", "--engine", engine, "--workload", workload,
+           "--mode", mode, "--workload-dir", str(workload_dir), "--model", model, "--out", str(out), *(extra or [])]
     if not caching:
         cmd.append("--no-prefix-caching")
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env=engine_env(engine))
+
+
+def module(args: list[str]) -> None:
+    """`python -m ARGS` with this interpreter, from the repository root."""
+    subprocess.run([sys.executable, "-m", *args], check=True, cwd=ROOT)
 
 
 def engine_env(engine: str) -> dict[str, str]:
@@ -76,14 +82,13 @@ def main() -> None:
     from kvmemo.model.loader import bundled_model_path
 
     gguf = bundled_model_path()
-    workload_dir = HERE / "workloads"
-    subprocess.run([sys.executable, str(HERE / "workloads.py"), "--out", str(workload_dir),
-                    "--scale", str(args.scale)], check=True)
+    workload_dir = GENERATED_WORKLOADS
+    module(["benchmarks.workloads", "--out", str(workload_dir), "--scale", str(args.scale)])
     wanted = set(args.workloads.split(",")) if args.workloads else None
     for engine in args.engines.split(","):
         if engine not in PLAN:
             raise SystemExit(f"--engines takes {sorted(PLAN)}, got {engine!r}")
-        model = str(HERE / "peers" / "hf-smollm2-fp32") if engine == "vllm" else gguf
+        model = str(PEERS / "hf-smollm2-fp32") if engine == "vllm" else gguf
         for workload, caching in PLAN[engine]:
             if wanted and workload not in wanted:
                 continue
@@ -92,7 +97,7 @@ def main() -> None:
                 try:
                     extra = ["--kv-store", f"disk:{store}"]
                     run(engine, workload, caching, workload_dir, model, "offline", extra,
-                        out=RESULTS.parent / f"{engine}-W4-first-process.json")
+                        out=RESULTS / f"{engine}-W4-first-process.json")
                     run(engine, workload, caching, workload_dir, model, "offline", extra)
                 finally:
                     shutil.rmtree(store, ignore_errors=True)
@@ -100,8 +105,8 @@ def main() -> None:
                 run(engine, workload, caching, workload_dir, model, "offline")
         if args.online_rate and (not wanted or "W1" in wanted):
             run(engine, "W1", True, workload_dir, model, "online", ["--rate", str(args.online_rate)])
-    subprocess.run([sys.executable, str(HERE / "plot.py")], check=True)
-    subprocess.run([sys.executable, str(HERE / "write_docs.py")], check=True)
+    module(["benchmarks.report.plot"])
+    module(["benchmarks.report.write_docs"])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engines.base import EngineRunner
+from benchmarks.runners.engines.base import EngineRunner
 
 
 class LlamaCppRunner(EngineRunner):

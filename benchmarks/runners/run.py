@@ -1,12 +1,21 @@
 """Run one workload on one engine and write one result JSON (the same schema for every engine).
 
-    python benchmarks/run.py --engine kvmemo --workload W1 --out benchmarks/results/peers/kvmemo-W1.json
-    python benchmarks/run.py --engine llama.cpp --model PATH.gguf --workload W1 --mode online --rate 2
+    python -m benchmarks.runners.run --engine kvmemo --workload W1 \
+        --out benchmarks/results/peers/kvmemo-W1.json
+    python -m benchmarks.runners.run --engine llama.cpp --model PATH.gguf --workload W1 \
+        --mode online --rate 2 --out benchmarks/results/peers/llama.cpp-W1-online.json
 
-Invariant: every engine gets the identical token ids from benchmarks/workloads/<W>.json, greedy,
-exactly max_tokens output tokens each (EOS ignored), and is timed by this script's own clock.
-Peers run in their own virtualenvs (benchmarks/peers/setup_*.sh); this file imports no engine at
-module level, so it runs in any of them.
+Invariant: every engine gets the identical token ids from benchmarks/generated_workloads/<W>.json,
+greedy, exactly max_tokens output tokens each (EOS ignored), and is timed by this module's clock.
+
+Peers run in their own virtualenvs (benchmarks/peers/setup_*.sh), which have neither kvmemo nor
+torch: runners.run_suite starts this module there as `<peer python> -m benchmarks.runners.run`
+with the repository root as cwd, so `benchmarks` is imported from the checkout exactly as under
+kvmemo's own python (one way, no path setup). That works because everything this module imports
+at module level (benchmarks/__init__, paths, machine_info, workloads, runners/__init__,
+runners/engines/base) uses the standard library only; each engine is imported inside its runner's
+make_runner(). Keep it so: tests/benchmarks/test_layout.py imports this chain with torch,
+numpy, transformers and kvmemo blocked.
 """
 
 from __future__ import annotations
@@ -17,25 +26,23 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.machine_info import cpu_label
+from benchmarks.paths import GENERATED_WORKLOADS
+from benchmarks.runners.engines.base import Completion, EngineRunner
+from benchmarks.workloads import WORKLOADS, Workload
 
-from engines.base import Completion, EngineRunner  # noqa: E402
-from machine_info import cpu_label  # noqa: E402
-from workloads import WORKLOADS, Workload  # noqa: E402
-
-ENGINES = {"kvmemo": "engines.kvmemo_runner", "llama.cpp": "engines.llamacpp_runner",
-           "vllm": "engines.vllm_runner", "hf": "engines.hf_runner"}
+ENGINES = {"kvmemo": "benchmarks.runners.engines.kvmemo_runner",
+           "llama.cpp": "benchmarks.runners.engines.llamacpp_runner",
+           "vllm": "benchmarks.runners.engines.vllm_runner", "hf": "benchmarks.runners.engines.hf_runner"}
 
 
 def load_workload(name: str, directory: Path) -> Workload:
     path = directory / f"{name}.json"
     if not path.is_file():
-        raise SystemExit(f"{path} is missing: run `python benchmarks/workloads.py --out {directory}` first")
+        raise SystemExit(f"{path} is missing: run `python -m benchmarks.workloads --out {directory}` first")
     return Workload.from_json(path.read_text())
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="offline: all requests at once (throughput); online: fixed arrival rate")
     parser.add_argument("--rate", type=float, default=2.0, help="online arrivals per second")
     parser.add_argument("--model", default=None, help="GGUF file (HF directory for vllm)")
-    parser.add_argument("--workload-dir", default=str(HERE / "workloads"))
+    parser.add_argument("--workload-dir", default=str(GENERATED_WORKLOADS))
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix reuse off")
     parser.add_argument("--kv-store", default=None, help="kvmemo only: a persistent store (W4)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())

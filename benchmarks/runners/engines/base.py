@@ -1,4 +1,4 @@
-"""What run.py needs from an engine: warm up, then run prompts arriving at given offsets.
+"""What runners.run needs from an engine: warm up, then run prompts arriving at given offsets.
 
 Invariant: times are taken by this module's clock, from each request's arrival offset, for every
 engine alike; a sequential engine serves requests in arrival order (queueing delay counts).

@@ -4,7 +4,7 @@ transformers generate(num_beams=k) one prompt at a time, plus kvmemo greedy on t
 Writes benchmarks/results/beam_search.json. Runs are interleaved within one process (kvmemo, HF,
 greedy, then again) and the best of --reps is kept, so machine load hits all three alike.
 
-    python benchmarks/bench_beam_search.py --beam-width 4 --max-tokens 32 --num-prompts 4 \
+    python -m benchmarks.micro.bench_beam_search --beam-width 4 --max-tokens 32 --num-prompts 4 \
         --context-tokens 256 --reps 2
 """
 
@@ -15,16 +15,14 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.paths import RESULTS, ROOT  # noqa: E402
 from kvmemo import LLM, SamplingParams  # noqa: E402
 from kvmemo.model.loader import bundled_model_path  # noqa: E402
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS  # noqa: E402
@@ -130,7 +128,7 @@ def main() -> None:
         "blocks_without_sharing": unshared,
         "beams_equal_hf": ours["beams"] == hf["beams"],
     }
-    out = ROOT / "benchmarks" / "results" / "beam_search.json"
+    out = RESULTS / "beam_search.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -1,7 +1,8 @@
 """kvmemo core benchmarks on the bundled SmolLM2: decode, prefill, concurrency, prefix-cache hits.
 
 Writes benchmarks/results/core.json and regenerates docs/benchmarks.md from it. Speed lives here,
-never in tests. Run: `make bench` (or .venv/bin/python benchmarks/run_core.py [--quick]).
+never in tests. Run: `make bench` (or `python -m benchmarks.runners.run_core` from the repository
+root).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine_info import cpu_label
+from benchmarks.paths import RESULTS, ROOT
 from kvmemo import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported as benchmarks.run_core
-from machine_info import cpu_label  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 WORDS = ("river stone light market garden window paper silver engine forest music winter "
          "harbor letter mountain coffee station orange bridge candle").split()
 
@@ -166,7 +164,7 @@ def main() -> None:
     print(results["hashing"], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "write_docs.py")], check=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.report.write_docs"], check=True, cwd=ROOT)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Paged attention vs dense SDPA over a contiguous cache of the same shapes (one layer call).
 
-    python benchmarks/bench_attention.py [--threads 1] [--repeats 30] [--profile]
+    python -m benchmarks.micro.bench_attention [--threads 1] [--repeats 30] [--profile]
 
 decode: 32 sequences x 1,024 context tokens, one new token each; prefill: 4 sequences x 128 new
 tokens over a 896-token cached prefix. SmolLM2 shapes: 9 q heads, 3 kv heads, head_dim 64, block
@@ -18,23 +18,21 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvmemo.attention.backend import PagedAttentionBackend  # noqa: E402
-from kvmemo.attention import paged  # noqa: E402
-from kvmemo.attention.cache import PagedKVCache  # noqa: E402
-from kvmemo.attention.metadata import AttentionMetadata  # noqa: E402
-from machine_info import cpu_label  # noqa: E402  (benchmarks/, the script's own directory)
+from benchmarks.machine_info import cpu_label
+from benchmarks.paths import RESULTS as RESULTS_DIR
+from kvmemo.attention.backend import PagedAttentionBackend
+from kvmemo.attention import paged
+from kvmemo.attention.cache import PagedKVCache
+from kvmemo.attention.metadata import AttentionMetadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
-RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
+RESULTS = RESULTS_DIR / "attention.json"
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -1,6 +1,6 @@
 """FP8 KV error diagnostics: which side (K or V) and which transform the e4m3 error comes from.
 
-    python benchmarks/fp8_variants.py [--prompts 16] [--free] [VARIANT ...]
+    python -m benchmarks.micro.fp8_variants [--prompts 16] [--free] [VARIANT ...]
 
 Each VARIANT is `K/V` (e.g. `weighted/fp32`: only K goes through fp8), a suffix `@sink` keeps
 token 0 exact. Per side: fp32, bf16; e4m3 with per-(layer, kv head) power-of-two scales after
@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_fp8 import prompts  # noqa: E402
-from kvmemo import LLM  # noqa: E402
-from kvmemo.attention.cache import FP8_DTYPE, FP8_MAX  # noqa: E402
-from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments, scales_from_amax  # noqa: E402
+from benchmarks.micro.bench_fp8 import prompts
+from kvmemo import LLM
+from kvmemo.attention.cache import FP8_DTYPE, FP8_MAX
+from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments, scales_from_amax
 
 Quantiser = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, x [T, Hkv, D]) -> decoded x
 

@@ -1,7 +1,7 @@
 """Disk KV store benchmark: TTFT of a ~1,000-token prefix from the device cache, from disk
 (a fresh engine on the same store) and recomputed; store read GB/s against dd on the same files.
 
-    python benchmarks/bench_disk_store.py [--device cpu|cuda] [--num-words 700] [--store DIR]
+    python -m benchmarks.micro.bench_disk_store [--device cpu|cuda] [--num-words 700] [--store DIR]
 
 Prints one table. Page cache: every read here is warm (the files were just written), for kvmemo
 and dd alike, so the GB/s compare the read + validation paths, not the disk.
@@ -16,8 +16,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvmemo import LLM, SamplingParams
 from tests.connector.store_worker import long_prompt

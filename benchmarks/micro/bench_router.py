@@ -8,8 +8,8 @@ Both routers run side by side in front of the same two replicas; runs alternate 
 policies (each run on freshly reset prefix caches and with its own system prompts), so the ratio
 is measured under the same machine load. Writes benchmarks/results/router.json.
 
-    python benchmarks/bench_router.py                       # W1 as specified
-    python benchmarks/bench_router.py --num-questions 16 --system-tokens 512 --output-tokens 16
+    python -m benchmarks.micro.bench_router                 # W1 as specified
+    python -m benchmarks.micro.bench_router --num-questions 16 --system-tokens 512 --output-tokens 16
 """
 
 from __future__ import annotations
@@ -30,11 +30,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT))
-
-from tests.redis_server import free_port  # noqa: E402  (one definition, shared with the tests)
+from benchmarks.paths import RESULTS, ROOT
+from tests.redis_server import free_port  # one definition, shared with the tests
 
 
 @contextlib.contextmanager
@@ -133,8 +130,7 @@ def main() -> None:
     args = parser.parse_args()
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS=str(args.threads_per_replica),
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+               OMP_NUM_THREADS=str(args.threads_per_replica))
     replica_flags = ["serve", "--num-blocks", "1024", "--max-model-len", "2048",
                      "--max-num-seqs", str(args.concurrency)]
     with contextlib.ExitStack() as stack:
@@ -192,7 +188,7 @@ def main() -> None:
             "concurrency": args.concurrency,
             "replicas": 2,
         },
-        "command": "python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.micro.bench_router", *sys.argv[1:]]),
         "scenarios": scenarios,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engines.base import EngineRunner
+from benchmarks.runners.engines.base import EngineRunner
 
 
 class _FirstTokenClock:

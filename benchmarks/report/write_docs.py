@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-NOTES = ROOT / "benchmarks" / "notes.md"  # hand-written analysis, included verbatim
+from benchmarks.paths import DOCS, NOTES, RESULTS
+from benchmarks.report.plot import load_results
 
 
 def core_section(r: dict) -> str:
     m, d, p, c, z, h = r["machine"], r["decode"], r["prefill"], r["cached_prefix"], r["concurrent_32_zero_hit"], r["hashing"]
     on, off = z["caching_on"], z["caching_off"]
-    return f"""## Core engine (`make bench`, `benchmarks/run_core.py`)
+    return f"""## Core engine (`make bench`, `python -m benchmarks.runners.run_core`)
 
 Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), Python {m['python']},
 torch {m['torch']}; commit {m['commit']}, {m['date']}. Model: bundled SmolLM2-135M-Instruct (Q4_1 GGUF
@@ -37,7 +34,7 @@ dequantized to fp32), fp32 KV cache, block size 16. Best of several runs.
 def attention_section(r: dict) -> str:
     d, p, m = r["decode"], r["prefill"], r["machine"]
     dm, pm, dn, pn = d["ms"], p["ms"], d["min_ms"], p["min_ms"]
-    return f"""## Paged attention vs dense SDPA (`benchmarks/bench_attention.py`)
+    return f"""## Paged attention vs dense SDPA (`python -m benchmarks.micro.bench_attention`)
 
 {m['cpu']}; one layer call, fp32 compute, block size 16, shuffled block tables, {m['threads']} torch thread(s),
 torch {m['torch']}, {m['date']}; median (min) ms of interleaved runs. Paged = `PagedAttentionBackend.forward`
@@ -76,7 +73,7 @@ def fp8_section(r: dict) -> str:
             f"{c['perplexity_vs_float32'] * 100:+.2f}% |"
         )
     table = "\n".join(rows)
-    return f"""## KV cache dtypes: quality (`benchmarks/bench_fp8.py`)
+    return f"""## KV cache dtypes: quality (`python -m benchmarks.micro.bench_fp8`)
 
 SmolLM2-135M fp32 weights; {r['num_prompts']} prompts x {r['max_tokens']} greedy tokens against the float32 KV
 cache; perplexity of `benchmarks/data/perplexity_text.txt` ({next(iter(r['configs'].values()))['text_tokens']} tokens) fed in chunks of
@@ -101,7 +98,7 @@ def multimodal_section(r: dict) -> str:
                 f"{x['prompt_tok_s']} | "
                 f"{x['num_cached_tokens']} / {x['num_prompt_tokens']} | {x['encoder_images']} |")
 
-    return f"""## Multimodal prefix caching (`benchmarks/bench_multimodal.py`)
+    return f"""## Multimodal prefix caching (`python -m benchmarks.micro.bench_multimodal`)
 
 Machine: {m['cpu']}, {m['torch_threads']} torch thread(s); commit {m['commit']}, {m['date']}.
 Model: {c['model']}, {c['image_tokens']} image tokens per picture, block size {c['block_size']}.
@@ -142,7 +139,7 @@ def router_section(r: dict) -> str:
         f"{sc['num_prefixes']} prefix(es): {sc['prefix_over_round_robin_throughput']}x"
         for sc in r["scenarios"]
     )
-    return f"""## Scale-out: 2 replicas behind `kvmemo router` (`benchmarks/bench_router.py`)
+    return f"""## Scale-out: 2 replicas behind `kvmemo router` (`python -m benchmarks.micro.bench_router`)
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['threads_per_replica']} torch thread(s) per replica,
 Python {m['python']}; commit {m['commit']}, {m['date']}. Workload: {w['num_questions']} requests,
@@ -161,7 +158,7 @@ Throughput, prefix-aware over round robin (best runs): {ratios}.
 
 def beam_search_section(r: dict) -> str:
     m, s = r["machine"], r["setup"]
-    return f"""## Beam search (`benchmarks/bench_beam_search.py`)
+    return f"""## Beam search (`python -m benchmarks.micro.bench_beam_search`)
 
 Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']};
 commit {m['commit']}, {m['date']}. {s['num_prompts']} prompts ({s['prompt_tokens']} tokens, each
@@ -182,13 +179,9 @@ runs interleaved in one process, best of {s['reps']}.
 
 
 def peers_section() -> str:
-    """Side-by-side table (benchmarks/run_suite.py results) and the charts plot.py drew."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plot import load_results
-
-    lines = ["## Side by side (`benchmarks/run_suite.py`, same token ids for every engine)\n"]
+    """Side-by-side table (runners.run_suite results) and the charts report.plot drew."""
+    lines = ["## Side by side (`python -m benchmarks.runners.run_suite`, same token ids for every "
+             "engine)\n"]
     for mode in ("offline", "online"):
         table = load_results(mode)
         if not table:
@@ -208,7 +201,7 @@ def peers_section() -> str:
         m = any_result["machine"]
         lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; {m['date']}.\n")
     for image in ("bench_throughput.png", "bench_ttft.png"):
-        if (ROOT / "docs" / "img" / image).is_file():
+        if (DOCS / "img" / image).is_file():
             lines.append(f"![{image}](img/{image})\n")
     return "\n".join(lines) if len(lines) > 1 else ""
 
@@ -225,17 +218,17 @@ SECTIONS = (
 
 
 def main() -> None:
-    parts = ["# kvmemo benchmarks\n\n_Generated by `benchmarks/write_docs.py` from `benchmarks/results/`; "
-             "do not edit by hand (analysis lives in `benchmarks/notes.md`)._\n"]
+    parts = ["# kvmemo benchmarks\n\n_Generated by `python -m benchmarks.report.write_docs` from "
+             "`benchmarks/results/`; do not edit by hand (analysis lives in `benchmarks/notes.md`)._\n"]
     for name, section in SECTIONS:
         if (RESULTS / name).is_file():
             parts.append(section(json.loads((RESULTS / name).read_text())))
     parts.append(peers_section())  # benchmarks/results/peers/*.json, one file per engine run
     if NOTES.is_file():
         parts.append(NOTES.read_text())
-    (ROOT / "docs").mkdir(exist_ok=True)
-    (ROOT / "docs" / "benchmarks.md").write_text("\n".join(parts))
-    print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
+    DOCS.mkdir(exist_ok=True)
+    (DOCS / "benchmarks.md").write_text("\n".join(parts))
+    print(f"wrote {DOCS / 'benchmarks.md'}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """FP8 KV cache quality: greedy token agreement and perplexity against a full-precision KV.
 
-    python benchmarks/bench_fp8.py [--max-tokens 64] [--chunk 128] [--threads 1] [--only LABEL --out PATH]
+    python -m benchmarks.micro.bench_fp8 [--max-tokens 64] [--chunk 128] [--threads 1] [--only LABEL --out PATH]
 
 Agreement: 16 prompts x 64 greedy tokens (ignore_eos), each KV dtype against float32 KV: the
 share of equal tokens position by position when generating freely, the share before each
@@ -27,16 +27,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.paths import DATA
+from benchmarks.paths import RESULTS as RESULTS_DIR
+from kvmemo import LLM, SamplingParams
+from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments
+from kvmemo.attention.metadata import AttentionMetadata
+from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS
 
-from kvmemo import LLM, SamplingParams  # noqa: E402
-from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments  # noqa: E402
-from kvmemo.attention.metadata import AttentionMetadata  # noqa: E402
-from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
-TEXT = HERE / "data" / "perplexity_text.txt"
-RESULTS = HERE / "results" / "fp8_kv.json"
+TEXT = DATA / "perplexity_text.txt"
+RESULTS = RESULTS_DIR / "fp8_kv.json"
 MORE_PROMPTS = [
     "The most important invention of the twentieth century was",
     "Here is a short recipe for pancakes:",

@@ -9,9 +9,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "peers"
-IMAGES = ROOT / "docs" / "img"
+from benchmarks.paths import DOCS, PEER_RESULTS
+
+IMAGES = DOCS / "img"
 
 
 def label(result: dict) -> str:
@@ -27,7 +27,7 @@ def label(result: dict) -> str:
 def load_results(mode: str = "offline") -> dict[str, dict[str, dict]]:
     """workload -> engine label -> result, for one mode."""
     table: dict[str, dict[str, dict]] = defaultdict(dict)
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted(PEER_RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
         if result["mode"] == mode:
             table[result["workload"]][label(result)] = result
@@ -62,7 +62,7 @@ def bar_chart(table: dict[str, dict[str, dict]], metric: str, ylabel: str, path:
 def main() -> list[Path]:
     table = load_results("offline")
     if not table:
-        print(f"no results under {RESULTS}")
+        print(f"no results under {PEER_RESULTS}")
         return []
     paths = [IMAGES / "bench_throughput.png", IMAGES / "bench_ttft.png"]
     bar_chart(table, "output_tok_s", "output tokens/s", paths[0])

@@ -1,6 +1,6 @@
 """Multimodal prefix caching benchmark (the upstream vLLM one, scaled to this machine).
 
-    python benchmarks/bench_multimodal.py [--num-prompts 100] [--hit-rate 0.3] [--rounds 3]
+    python -m benchmarks.micro.bench_multimodal [--num-prompts 100] [--hit-rate 0.3] [--rounds 3]
 
 A random LLaVA (CLIP vision tower 112 px / patch 14 -> 64 image tokens, 4 layers, 192 wide; Llama
 text model, 6 layers, 512 wide; the SmolLM2 tokenizer plus <image>) is built on the fly. Few output
@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.run_core import machine  # noqa: E402
-from kvmemo import LLM, SamplingParams  # noqa: E402
-from tests.multimodal.tiny_llava import save_random_llava  # noqa: E402
+from benchmarks.paths import RESULTS
+from benchmarks.runners.run_core import machine
+from kvmemo import LLM, SamplingParams
+from tests.multimodal.tiny_llava import save_random_llava
 
 QUESTIONS = [
     "What is shown in this picture?",
@@ -139,7 +137,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "multimodal.json"))
+    parser.add_argument("--out", default=str(RESULTS / "multimodal.json"))
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="kvmemo-llava-"))

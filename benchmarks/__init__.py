@@ -1,0 +1,21 @@
+"""kvmemo's benchmarks, one package, every script run as a module from the repository root.
+
+    python -m benchmarks.runners.run_core            # kvmemo core figures (make bench)
+    python -m benchmarks.runners.run_suite           # workloads W0-W4, engines side by side
+    python -m benchmarks.micro.bench_attention       # one micro-benchmark; --help on any of them
+    python -m benchmarks.report.write_docs           # docs/benchmarks.md from benchmarks/results/
+
+Layout:
+    paths.py, machine_info.py, workloads.py   shared: where files live, which CPU, the workloads
+    runners/     the drivers (run, run_suite, run_core) and runners/engines/, one runner per engine
+    micro/       focused benchmarks of one component each (attention, fp8, disk store, router, ...)
+    report/      results -> charts (plot) and docs/benchmarks.md (write_docs, appends notes.md)
+    peers/       setup scripts for the peer engines' virtualenvs (llama.cpp, HF, vLLM)
+    data/, results/, notes.md   inputs, result JSON, hand-written analysis
+
+Invariant: nothing here edits the import path; a module imports its siblings as
+`benchmarks.<...>`, which resolves because `python -m` (and pytest) put the repository root on the
+path. This __init__, paths, machine_info, workloads (at import), runners/__init__, runners.run and
+runners/engines/* import only the standard library at module level: runners.run is also started
+inside the peers' virtualenvs, which have no kvmemo, torch or numpy (see runners/run.py).
+"""

@@ -1,0 +1,1 @@
+"""Peer engines: setup scripts for their own virtualenvs, and the GGUF -> HF converter."""

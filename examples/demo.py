@@ -53,8 +53,8 @@ def main() -> None:
         )
     metrics = llm.get_metrics()
     print(
-        f"prefix cache: {metrics['prefix_cache_hits_tokens']} of {metrics['prefix_cache_queries_tokens']} "
-        f"prompt tokens reused (hit rate {metrics['prefix_cache_hit_rate']:.0%})"
+        f"prefix cache: {metrics.prefix_cache_hits_tokens} of {metrics.prefix_cache_queries_tokens} "
+        f"prompt tokens reused (hit rate {metrics.prefix_cache_hit_rate:.0%})"
     )
 
 

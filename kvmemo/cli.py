@@ -126,7 +126,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             content = [*({"type": "image", "image": path} for path in images), {"type": "text", "text": args.prompt}]
         out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
     elif images:
-        spec = llm.engine.processor.image_input
+        spec = llm.processor.image_input
         prompt = args.prompt
         if spec is not None and spec.image_token not in prompt:
             prompt = f"{spec.image_token}\n" * len(images) + prompt  # no markers: images first
@@ -150,14 +150,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_beam_search(args: argparse.Namespace, params) -> int:
-    from kvmemo.engine.beam_search import BeamSearchParams
+    from kvmemo.engine import BeamSearchParams
     from kvmemo.llm import LLM
 
     if not params.is_greedy or params.top_p < 1.0 or params.top_k or params.seed is not None or params.stop:
         raise ValueError("--beam-width is deterministic: drop --temperature, --top-p, --top-k, --seed and --stop")
     BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)  # fail before loading
     llm = LLM(args.model, **_engine_options(args))
-    prompt = llm.engine.processor.encode_chat([{"role": "user", "content": args.prompt}])[1] if args.chat else args.prompt
+    prompt = (
+        llm.processor.process_chat([{"role": "user", "content": args.prompt}])
+        if args.chat
+        else args.prompt
+    )
     out = llm.beam_search(prompt, beam_width=args.beam_width, max_tokens=args.max_tokens, use_tqdm=False)[0]
     beams = [
         {"text": c.text, "token_ids": c.token_ids, "score": c.score, "cumulative_logprob": c.cumulative_logprob,

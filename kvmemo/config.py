@@ -7,32 +7,15 @@ naming the field and what is allowed.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
+
+from kvmemo.connector.spec import parse_kv_stores
+from kvmemo.units import parse_size_bytes
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size_bytes(text: str | int, field_name: str) -> int:
-    """'2GiB' -> 2147483648. Integers pass through. Raises ValueError naming the field."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise ValueError(
-                f"{field_name} must be a size such as '2GiB', '512MiB' or a byte count, got {text!r}"
-            )
-        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"{field_name} must be > 0 bytes, got {text!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -75,10 +58,12 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
         if self.kv_store is not None:
-            from kvmemo.connector.spec import parse_kv_stores  # stdlib only; imports this module
-
-            if isinstance(self.kv_store, list):  # frozen and hashable: keep tiers as a tuple
-                object.__setattr__(self, "kv_store", tuple(self.kv_store))
+            if isinstance(self.kv_store, list):
+                # Frozen and hashable: tiers are a tuple. from_kwargs converts a list for callers.
+                raise ValueError(
+                    "kv_store must be a string or a tuple of strings (EngineConfig.from_kwargs "
+                    f"also takes a list), got a list {self.kv_store!r}"
+                )
             parse_kv_stores(self.kv_store)
             if not self.enable_prefix_caching:
                 raise ValueError("kv_store needs enable_prefix_caching=True (blocks are saved when committed)")
@@ -95,6 +80,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown engine option(s) {unknown}; allowed: {sorted(known)}"
             )
+        if isinstance(kwargs.get("kv_store"), list):
+            kwargs["kv_store"] = tuple(kwargs["kv_store"])
         return cls(**kwargs)
 
 

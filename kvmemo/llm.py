@@ -6,16 +6,14 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 
 from __future__ import annotations
 
-import dataclasses
-from functools import partial
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from kvmemo.config import EngineConfig
-from kvmemo.engine.beam_search import BeamSearchParams
-from kvmemo.engine.engine import Engine
-from kvmemo.engine.processor import ProcessedPrompt
+from kvmemo.engine import BeamSearchParams, Engine, EngineStats
+from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
 from kvmemo.outputs import RequestOutput
 from kvmemo.sampling import SamplingParams
 
@@ -35,6 +33,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def processor(self) -> InputProcessor:
+        """The intake step: prompts, conversations and images -> ProcessedPrompts."""
+        return self.engine.processor
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -45,21 +48,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one prompt or many: strings, token-id lists, or (multimodal models)
         {"prompt": "USER: <image>\\nWhat is this?", "images": [PIL image | path | bytes, ...]}."""
-        prompts = _as_prompt_list(prompts)
-        items = [(self._process(p) if isinstance(p, dict) else p, None) for p in prompts]
-        return self._run(items, sampling_params, use_tqdm, cache_salt)
-
-    def _process(self, prompt: dict[str, Any]) -> ProcessedPrompt:
-        unknown = sorted(set(prompt) - {"prompt", "images"})
-        if unknown or "prompt" not in prompt:
-            raise ValueError(
-                "a dict prompt takes the keys 'prompt' (required) and 'images'; "
-                f"got {sorted(prompt)}"
-            )
-        images = prompt.get("images") or []
-        if not isinstance(images, (list, tuple)):
-            images = [images]
-        return self.engine.processor.process(prompt["prompt"], list(images))
+        processed = [self.processor.process_any(p) for p in _as_prompt_list(prompts)]
+        return self._run(processed, sampling_params, use_tqdm, cache_salt)
 
     def chat(
         self,
@@ -77,11 +67,8 @@ class LLM:
         """
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
-        items = []
-        for conversation in messages:
-            processed = self.engine.processor.process_chat(conversation)
-            items.append((processed, processed.text))
-        return self._run(items, sampling_params, use_tqdm, cache_salt)
+        processed = [self.processor.process_chat(conversation) for conversation in messages]
+        return self._run(processed, sampling_params, use_tqdm, cache_salt)
 
     def beam_search(
         self,
@@ -100,19 +87,18 @@ class LLM:
         beams, best score first, each with token_ids (the final EOS included), text,
         cumulative_logprob and score. All prompts' beams run batched, one forward per step."""
         params = BeamSearchParams(beam_width, max_tokens, length_penalty, early_stopping)
-        prompts = [self._process(p) if isinstance(p, dict) else p for p in _as_prompt_list(prompts)]
-        self._batch_ids += 1
-        ids = [f"b{self._batch_ids}-{i}" for i in range(len(prompts))]
-        submissions = [
-            (rid, partial(self.engine.add_beam_request, prompt, params, cache_salt=cache_salt))
-            for rid, prompt in zip(ids, prompts)
-        ]
-        finished = self._submit_and_wait(submissions, "beam search", use_tqdm)
+        processed = [self.processor.process_any(p) for p in _as_prompt_list(prompts)]
+        ids = self._new_ids(len(processed))
+        self.engine.add_requests(
+            [(rid, prompt, params) for rid, prompt in zip(ids, processed)], cache_salt=cache_salt
+        )
+        finished = self._wait(ids, "beam search", use_tqdm)
         return [finished[rid] for rid in ids]
 
-    def get_metrics(self) -> dict[str, float | int]:
-        """Prefix-cache and scheduler counters since start (tokens, blocks, hit rate)."""
-        return self.engine.get_metrics()
+    def get_metrics(self) -> EngineStats:
+        """Prefix-cache, scheduler, store and encoder counters since start (tokens, blocks, hit
+        rate); `.as_dict()` gives them flat by name."""
+        return self.engine.stats()
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
         """Drop every cached block; refused (False, reason) while requests hold blocks."""
@@ -123,46 +109,35 @@ class LLM:
         (needs LLM(..., enable_kv_events=True))."""
         self.engine.subscribe_kv_events(callback)
 
+    def _new_ids(self, count: int) -> list[str]:
+        self._batch_ids += 1
+        return [f"b{self._batch_ids}-{i}" for i in range(count)]
+
     def _run(
         self,
-        items: list[tuple[Prompt, str | None]],
+        prompts: list[ProcessedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         cache_salt: str | None,
     ) -> list[RequestOutput]:
-        params = _per_prompt_params(sampling_params, len(items))
-        self._batch_ids += 1
+        params = _per_prompt_params(sampling_params, len(prompts))
         groups: dict[str, tuple[int, int]] = {}  # sequence id -> (prompt index, sample index)
-        submissions: list[tuple[str, Callable[..., str]]] = []
-        for i, ((prompt, text), p) in enumerate(zip(items, params)):
-            for j in range(p.n):
-                # n samples are n sequences; a seeded prompt gives each sample its own seed.
-                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
-                rid = f"b{self._batch_ids}-{i}-{j}"
+        batch: list[tuple[str, ProcessedPrompt, SamplingParams]] = []
+        for i, (prompt_id, prompt, p) in enumerate(zip(self._new_ids(len(prompts)), prompts, params)):
+            for j, sample in enumerate(p.per_sample()):
+                rid = f"{prompt_id}-{j}"
                 groups[rid] = (i, j)
-                add = partial(self.engine.add_request, prompt, child, cache_salt=cache_salt, prompt_text=text)
-                submissions.append((rid, add))
-        finished = self._submit_and_wait(submissions, "requests", use_tqdm)
-        return _group_samples(finished, groups, len(items))
+                batch.append((rid, prompt, sample))
+        self.engine.add_requests(batch, cache_salt=cache_salt)
+        finished = self._wait(list(groups), "requests", use_tqdm)
+        return _group_samples(finished, groups, len(prompts))
 
-    def _submit_and_wait(
-        self, submissions: list[tuple[str, Callable[..., str]]], desc: str, use_tqdm: bool
-    ) -> dict[str, RequestOutput]:
-        """Adds every request (`add(request_id=...)`), aborting those added if one fails, then
-        steps the engine until all of them finished. Returns their final outputs by id."""
-        added: list[str] = []
-        try:
-            for rid, add in submissions:
-                add(request_id=rid)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise
-        wanted = set(added)
+    def _wait(self, request_ids: list[str], desc: str, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Steps the engine until every request of `request_ids` finished; their final outputs."""
+        wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(added), desc=desc, disable=not use_tqdm, unit="req") as bar:
-            while len(finished) < len(added):
+        with tqdm(total=len(wanted), desc=desc, disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < len(wanted):
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
@@ -199,7 +174,7 @@ def _group_samples(
     finished: dict[str, RequestOutput], groups: dict[str, tuple[int, int]], num_prompts: int
 ) -> list[RequestOutput]:
     merged: list[RequestOutput | None] = [None] * num_prompts
-    for rid in sorted(groups, key=groups.get):
+    for rid in sorted(groups, key=groups.__getitem__):
         i, j = groups[rid]
         out = finished[rid]
         out.outputs[0].index = j

@@ -1,7 +1,8 @@
 """Request: one sequence's life in the engine (no torch).
 
 Invariant: all_token_ids == prompt_token_ids + output_token_ids, and block_hashes holds the hash
-of every full block of all_token_ids (extended by the engine's RequestHasher as blocks fill).
+of every full block of all_token_ids: a request built with a hasher extends them itself, at
+construction and whenever a token is appended (the one place they grow).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvmemo.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from kvmemo.kv.hashing import BlockHash
+    from kvmemo.kv.hashing import BlockHash, RequestHasher
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +84,8 @@ class Request:
     # What the encoder needs for each item (processed pixel arrays), parallel to mm_items;
     # opaque here, so this module and kv/ stay free of torch.
     mm_data: list[Any] = field(default_factory=list)
-    lora_name: str | None = None
     cache_salt: str | None = None
+    prompt_text: str | None = None  # the prompt as text, when it was given as text
     eos_token_ids: frozenset[int] = frozenset()
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -98,10 +99,22 @@ class Request:
     stop_reason: int | str | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # The engine's block hasher; None only for requests that never meet a cache (some tests).
+    hasher: RequestHasher | None = None
+    # False: the sequence is driven from above the scheduler (a beam of a beam search). A step
+    # that reaches its end returns the log-softmax row of its last position instead of sampling,
+    # and its driver, not the scheduler, appends its tokens and publishes its blocks.
+    sample_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self.extend_block_hashes()
+
+    def extend_block_hashes(self) -> None:
+        """Hashes every newly full block (a no-op until a block fills, or without a hasher)."""
+        if self.hasher is not None:
+            self.hasher.extend(self)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,6 +131,7 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.extend_block_hashes()
 
     @property
     def is_finished(self) -> bool:

@@ -5,7 +5,10 @@ Invariant: a constructed SamplingParams is valid; every bad field raises ValueEr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from kvmemo.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -29,31 +32,41 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs to return for each sampled position
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check("n", isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(
+            "max_tokens",
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
-        _check(self.temperature >= 0.0, f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(
+            "temperature",
+            self.temperature >= 0.0,
+            f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}",
+        )
+        _check("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(
+            "top_k",
             isinstance(self.top_k, int) and self.top_k >= 0,
             f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}",
         )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(
+            "stop",
             all(isinstance(s, str) and s for s in self.stop_strings),
             f"stop must be a non-empty string or a list of them, got {self.stop!r}",
         )
         _check(
+            "stop_token_ids",
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must hold non-negative integers",
         )
         _check(
+            "logprobs",
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}",
         )
         _check(
+            "seed",
             self.seed is None or isinstance(self.seed, int),
             f"seed must be an integer or None, got {self.seed!r}",
         )
@@ -61,6 +74,17 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        return dataclasses.replace(self, max_tokens=max_tokens)
+
+    def per_sample(self) -> list[SamplingParams]:
+        """The n samples as n one-sample params: a seeded request gives sample j seed + j, so
+        each sample differs and the whole request stays reproducible."""
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+            for j in range(self.n)
+        ]
 
     @property
     def is_greedy(self) -> bool:
@@ -71,6 +95,6 @@ class SamplingParams:
 _MIN_TEMPERATURE = 1e-5
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(param: str, ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InputError(param, message)

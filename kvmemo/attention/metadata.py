@@ -1,8 +1,9 @@
 """AttentionMetadata: where each token of one flattened step batch lives in the paged cache.
 
 Invariant: built once per step and validated at the boundary; sequence s owns query rows
-query_start_loc[s]:query_start_loc[s+1], sits at beam beam_indices[s] of request request_ids[s],
-and attends to its first seq_lens[s] cached tokens through block_tables[s].
+query_start_loc[s]:query_start_loc[s+1] and attends to its first seq_lens[s] cached tokens
+through block_tables[s]. Sequences are positions in the batch: who they belong to is the
+scheduler's business, not attention's.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence this step (>= 1)
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
     block_size: int
-    request_ids: list[str]  # one per sequence, for errors, logging and beam addressing
     query_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of query_lens)
     seq_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of seq_lens)
     num_cache_blocks: int = 0  # size of the pool the block ids were checked against
-    beam_indices: list[int] | None = None  # beam of each sequence within its request (0 if none)
 
     @property
     def num_seqs(self) -> int:
@@ -49,39 +48,28 @@ class AttentionMetadata:
         query_lens: list[int],
         block_size: int,
         num_cache_blocks: int,
-        request_ids: list[str],
-        beam_indices: list[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Validate the per-sequence lists and derive slot mapping and padded tensors.
 
-        Args:
-            beam_indices: the beam of each sequence within its request; None means all 0.
-
         Raises:
-            ValueError: lists of different lengths (fewer request ids or beam indices than
-                sequences), a query_len < 1, a negative computed count, a block table too
+            ValueError: lists of different lengths, a query_len < 1, a negative computed count, a block table too
                 short for its context, or a block id outside [0, num_cache_blocks).
         """
         num_seqs = len(query_lens)
-        if beam_indices is None:
-            beam_indices = [0] * num_seqs
         lengths = {
             "block_tables": len(block_tables),
             "num_computed_tokens": len(num_computed_tokens),
-            "request_ids": len(request_ids),
-            "beam_indices": len(beam_indices),
         }
         if any(n != num_seqs for n in lengths.values()):
             raise ValueError(
-                "attention metadata needs one block table, computed count, request id and beam "
-                f"index per sequence: got {lengths} for {num_seqs} sequences (query_lens)"
+                "attention metadata needs one block table and computed count per sequence: "
+                f"got {lengths} for {num_seqs} sequences (query_lens)"
             )
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         for s in range(num_seqs):
-            _check_sequence(s, request_ids[s], block_tables[s], num_computed_tokens[s],
-                            query_lens[s], beam_indices[s], block_size)
+            _check_sequence(s, block_tables[s], num_computed_tokens[s], query_lens[s], block_size)
         seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
         max_blocks = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
@@ -93,8 +81,8 @@ class AttentionMetadata:
         if bool(outside.any()):
             s = int(outside.any(dim=1).nonzero()[0])
             raise ValueError(
-                f"block table of sequence {s} ({request_ids[s]!r}, beam {beam_indices[s]}) holds a "
-                f"block id outside [0, {num_cache_blocks}): {block_tables[s]}"
+                f"block table of sequence {s} holds a block id outside [0, {num_cache_blocks}): "
+                f"{block_tables[s]}"
             )
         slot_mapping = _slot_mapping(tables, num_computed_tokens, query_lens, block_size)
         return cls(
@@ -104,30 +92,22 @@ class AttentionMetadata:
             query_lens=list(query_lens),
             seq_lens=seq_lens,
             block_size=block_size,
-            request_ids=list(request_ids),
             query_lens_t=torch.tensor(query_lens, dtype=torch.int64, device=device),
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             num_cache_blocks=num_cache_blocks,
-            beam_indices=list(beam_indices),
         )
 
 
 def _check_sequence(
-    s: int,
-    request_id: str,
-    table: list[int],
-    num_computed: int,
-    query_len: int,
-    beam_index: int,
-    block_size: int,
+    s: int, table: list[int], num_computed: int, query_len: int, block_size: int
 ) -> None:
-    who = f"sequence {s} ({request_id!r}, beam {beam_index})"
+    who = f"sequence {s}"
     if not isinstance(query_len, int) or query_len < 1:
         raise ValueError(f"query_lens of {who} must be an integer >= 1, got {query_len!r}")
     if not isinstance(num_computed, int) or num_computed < 0:
-        raise ValueError(f"num_computed_tokens of {who} must be an integer >= 0, got {num_computed!r}")
-    if not isinstance(beam_index, int) or beam_index < 0:
-        raise ValueError(f"beam_indices of {who} must be an integer >= 0, got {beam_index!r}")
+        raise ValueError(
+            f"num_computed_tokens of {who} must be an integer >= 0, got {num_computed!r}"
+        )
     seq_len = num_computed + query_len
     if len(table) * block_size < seq_len:
         raise ValueError(

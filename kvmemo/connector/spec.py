@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
+from kvmemo.units import parse_size_bytes
+
 DEFAULT_CAPACITY_BYTES = 10 * 2**30
 DEFAULT_REDIS_TIMEOUT_S = 0.5
 _FORM = "'disk:/path', 'disk:/path?capacity=20GiB' or 'redis://host:6379/0?timeout=0.5'"
@@ -105,8 +107,6 @@ def _options(spec: str, query: str) -> list[tuple[str, str]]:
 
 
 def _size(value: str) -> int:
-    from kvmemo.config import parse_size_bytes  # config imports this module lazily
-
     try:
         return parse_size_bytes(value, "kv_store capacity")
     except ValueError as exc:

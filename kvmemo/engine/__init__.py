@@ -1,1 +1,29 @@
-"""engine"""
+"""The engine: scheduler, model runner, sampler, beam search driver, the step loop and its
+async wrapper. The names below are its API; nothing outside this package imports its modules.
+"""
+
+from __future__ import annotations
+
+from kvmemo.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    StreamItem,
+)
+from kvmemo.engine.beam_search import BeamSearchParams
+from kvmemo.engine.engine import Engine
+from kvmemo.engine.stats import EngineStats, KVInfo, StoreTierStats
+
+__all__ = [
+    "AsyncEngine",
+    "BeamSearchParams",
+    "Engine",
+    "EngineDeadError",
+    "EngineStats",
+    "KVInfo",
+    "QueueFullError",
+    "RequestStream",
+    "StoreTierStats",
+    "StreamItem",
+]

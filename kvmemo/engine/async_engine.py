@@ -3,13 +3,13 @@
 Invariant: only the engine thread touches the Engine (tokenizer included); callers talk to it
 through a command list guarded by a condition, and outputs come back on one asyncio queue per
 request via loop.call_soon_threadsafe. Every added sequence ends with exactly one finished
-output, an abort, or an error on its queue.
+output, an abort, or an error on its queue. Callers see only the methods below: the engine's
+limits, stats and KV info, never its parts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmemo.engine.engine import Engine
+from kvmemo.engine.stats import EngineStats, KVInfo
+from kvmemo.kv.hashing import BlockHash
 from kvmemo.outputs import RequestOutput
 from kvmemo.sampling import SamplingParams
 
@@ -131,7 +133,9 @@ class AsyncEngine:
         self._stopped = False
         self._sequences: dict[str, _Sequence] = {}
         self._ids = itertools.count()
-        self.metrics: dict[str, float | int] = engine.get_metrics()  # snapshot, replaced whole
+        self.stats: EngineStats = engine.stats()  # the engine thread's latest snapshot
+        self.max_model_len: int = engine.max_model_len
+        self._kv_info = engine.kv_info()  # fixed when the engine is built
         self.num_generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="kvmemo-engine", daemon=True)
         self._thread.start()
@@ -178,6 +182,14 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> tuple[bool, str]:
         return await self.call(lambda engine: engine.reset_prefix_cache())
+
+    def kv_info(self) -> KVInfo:
+        """How the engine names its blocks (fixed for its life)."""
+        return self._kv_info
+
+    async def cached_block_hashes(self) -> list[BlockHash]:
+        """The hashes of every block a prompt could hit now, read between steps."""
+        return await self.call(lambda engine: engine.cached_block_hashes())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -229,7 +241,7 @@ class AsyncEngine:
                 self.num_generated_tokens += len(outputs)
                 for out in outputs:
                     self._deliver(out)
-            self.metrics = self.engine.get_metrics()
+            self.stats = self.engine.stats()
             now = time.monotonic()
             if now - last_stats >= _STATS_INTERVAL_S:
                 if (
@@ -266,53 +278,28 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         params = command.params
-        if len(self.engine.scheduler.waiting) + params.n > self.max_waiting:
+        num_waiting = self.engine.num_waiting
+        if num_waiting + params.n > self.max_waiting:
             raise QueueFullError(
-                f"the server is overloaded: {len(self.engine.scheduler.waiting)} requests are "
-                f"waiting (limit {self.max_waiting}); retry later"
+                f"the server is overloaded: {num_waiting} requests are waiting "
+                f"(limit {self.max_waiting}); retry later"
             )
         processor = self.engine.processor
-        prompt: Any
-        if command.messages is not None and any(
-            isinstance(m.get("content"), list) for m in command.messages
-        ):
-            prompt = processor.process_chat(command.messages)  # content parts with images
-            text, token_ids = prompt.text, prompt.token_ids
-        elif command.messages is not None:
-            text, token_ids = processor.encode_chat(command.messages)
-            prompt = token_ids
+        if command.messages is not None:
+            prompt = processor.process_chat(command.messages)
         else:
-            text, token_ids = None, processor.encode_prompt(command.prompt)
-            prompt = token_ids
-            if isinstance(command.prompt, str):
-                text = command.prompt
+            prompt = processor.process(command.prompt)
         if command.fill_context:
-            room = self.engine.max_model_len - len(token_ids)
-            params = dataclasses.replace(params, max_tokens=max(room, 1))
-        command.stream.prompt_token_ids = token_ids
-        added: list[str] = []
-        try:
-            for j, sequence_id in enumerate(command.stream.sequence_ids):
-                # n samples are n sequences; a seeded request gives each sample its own seed.
-                child = dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + j
-                )
-                self.engine.add_request(
-                    prompt,
-                    child,
-                    request_id=sequence_id,
-                    cache_salt=command.cache_salt,
-                    prompt_text=text,
-                )
-                added.append(sequence_id)
-                self._sequences[sequence_id] = _Sequence(
-                    command.stream, j, params.logprobs is not None
-                )
-        except Exception:
-            for sequence_id in added:
-                self._sequences.pop(sequence_id, None)
-                self.engine.abort_request(sequence_id)
-            raise
+            room = self.max_model_len - len(prompt.token_ids)
+            params = params.with_max_tokens(max(room, 1))
+        command.stream.prompt_token_ids = prompt.token_ids
+        samples = list(zip(command.stream.sequence_ids, params.per_sample()))
+        self.engine.add_requests(
+            [(sequence_id, prompt, sample) for sequence_id, sample in samples],
+            cache_salt=command.cache_salt,
+        )
+        for j, (sequence_id, _) in enumerate(samples):
+            self._sequences[sequence_id] = _Sequence(command.stream, j, params.logprobs is not None)
 
     def _deliver(self, out: RequestOutput) -> None:
         sequence = self._sequences.get(out.request_id)
@@ -349,15 +336,15 @@ class AsyncEngine:
                 _resolve(command.loop, command.done, error=error)
 
     def _log_stats(self, elapsed_s: float, num_tokens: int) -> None:
-        m = self.metrics
+        s = self.stats
         logger.info(
             "stats: %.1f gen tok/s, running %d, waiting %d, KV usage %.1f%%, "
             "prefix hit rate %.1f%%",
             num_tokens / elapsed_s,
-            m["num_running"],
-            m["num_waiting"],
-            100 * m["kv_usage"],
-            100 * m["prefix_cache_hit_rate"],
+            s.num_running,
+            s.num_waiting,
+            100 * s.kv_usage,
+            100 * s.prefix_cache_hit_rate,
         )
 
 

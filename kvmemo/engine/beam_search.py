@@ -110,6 +110,13 @@ class BeamSearch:
         self._num_generated = 0
 
     @property
+    def running(self) -> list[Request]:
+        """The sequences that compute now: the root while its prompt prefills, then the beams."""
+        if self.is_done:
+            return []
+        return self.beams or [self.root]
+
+    @property
     def is_started(self) -> bool:
         """True once the root's prompt is computed and the beams run."""
         return bool(self.beams)
@@ -226,7 +233,6 @@ class BeamSearch:
             arrival_time=self.root.arrival_time,
             mm_items=self.root.mm_items,
             mm_data=self.root.mm_data,
-            lora_name=self.root.lora_name,
             cache_salt=self.root.cache_salt,
             eos_token_ids=self.root.eos_token_ids,
             output_token_ids=[*parent.output_token_ids, token],
@@ -234,6 +240,8 @@ class BeamSearch:
             block_hashes=list(parent.block_hashes),
             num_computed_tokens=parent.num_tokens,
             status=RequestStatus.RUNNING,
+            hasher=self.root.hasher,
+            sample_tokens=False,
         )
         self.kv.fork(parent, child)
         return child

@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken]  # request_id -> its new token, for sequences that sampled
-    # Beam search: request_id -> [num beams, vocab] fp32 log_softmax rows, in beam_index order.
-    beam_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request_id -> [vocab] fp32 log_softmax of the last position, for sequences that asked for
+    # it instead of a token (return_logprobs_row).
+    logprobs_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -81,8 +83,6 @@ class ModelRunner:
             query_lens=[len(s.token_ids) for s in seqs],
             block_size=self.kv_cache.block_size,
             num_cache_blocks=self.kv_cache.num_blocks,
-            request_ids=[s.request_id for s in seqs],
-            beam_indices=[s.beam_index or 0 for s in seqs],
             device=self.device,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
@@ -99,39 +99,30 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float()  # [N, vocab]
         if self.capture_logits:
             self.last_logits = logits.clone()
-        beam_logprobs: dict[str, torch.Tensor] = {}
-        if any(seqs[i].beam_index is not None for i in sampling):
-            logits, sampling, beam_logprobs = self._split_beams(logits, sampling, seqs)
+        logprobs_rows: dict[str, torch.Tensor] = {}
+        if any(seqs[i].return_logprobs_row for i in sampling):
+            logits, sampling, logprobs_rows = self._split_rows(logits, sampling, seqs)
         tokens = self.sampler.sample(
             logits,
             [seqs[i].sampling_params for i in sampling],
             [seqs[i].num_output_tokens for i in sampling],
         ) if sampling else []
         sampled = {seqs[i].request_id: t for i, t in zip(sampling, tokens)}
-        return ModelRunnerOutput(sampled=sampled, beam_logprobs=beam_logprobs)
+        return ModelRunnerOutput(sampled=sampled, logprobs_rows=logprobs_rows)
 
     @staticmethod
-    def _split_beams(
+    def _split_rows(
         logits: torch.Tensor, sampling: list[int], seqs: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, list[int], dict[str, torch.Tensor]]:
-        """Beam rows become per-request [num beams, vocab] log_softmax (fp32, as HF's beam
-        search); returns the logits left to sample, their sequence indices, and the beam rows."""
-        rows_of: dict[str, list[tuple[int, int]]] = {}
-        sample_rows: list[int] = []
-        for row, i in enumerate(sampling):
-            beam = seqs[i].beam_index
-            if beam is None:
-                sample_rows.append(row)
-            else:
-                rows_of.setdefault(seqs[i].request_id, []).append((beam, row))
-        ordered = {rid: [row for _, row in sorted(pairs)] for rid, pairs in rows_of.items()}
-        beam_rows = [row for rows in ordered.values() for row in rows]
+        """The rows that return log-probabilities become fp32 log_softmax (as HF's beam search,
+        in one call); returns the logits left to sample, their sequence indices, and the rows."""
+        row_of = [row for row, i in enumerate(sampling) if seqs[i].return_logprobs_row]
+        sample_rows = [row for row, i in enumerate(sampling) if not seqs[i].return_logprobs_row]
         device = logits.device
-        rows = torch.tensor(beam_rows, device=device)
-        logprobs = torch.log_softmax(logits[rows], dim=-1)  # [num beam rows, vocab]
-        beam_logprobs = dict(zip(ordered, logprobs.split([len(rows) for rows in ordered.values()])))
+        logprobs = torch.log_softmax(logits[torch.tensor(row_of, device=device)], dim=-1)
+        rows = {seqs[sampling[row]].request_id: logprobs[k] for k, row in enumerate(row_of)}
         rest = logits[torch.tensor(sample_rows, dtype=torch.int64, device=device)]
-        return rest, [sampling[row] for row in sample_rows], beam_logprobs
+        return rest, [sampling[row] for row in sample_rows], rows
 
     def _multimodal_embeds(
         self, seqs: list[ScheduledSequence], ids: torch.Tensor, metadata: AttentionMetadata

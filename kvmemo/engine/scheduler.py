@@ -3,6 +3,8 @@
 Invariant: running requests are scheduled before waiting ones; a request is admitted only when
 its blocks can be allocated; when blocks run out, the newest running request is preempted
 (its KV freed, recomputed later), so the oldest always progresses and nothing deadlocks.
+Every sequence is a Request; sequences driven from above (beam search) differ only in
+Request.sample_tokens, and the scheduler knows nothing of what drives them.
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from kvmemo.kv.hashing import BlockHash, RequestHasher
+from kvmemo.errors import InputError
+from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.request import Request, RequestStatus, overlapping_items
 
 if TYPE_CHECKING:
-    import torch
-
     from kvmemo.connector.base import KVConnector
-    from kvmemo.engine.beam_search import BeamSearch
 
 logger = logging.getLogger(__name__)
 
@@ -44,67 +44,62 @@ class Scheduler:
         self,
         limits: SchedulerLimits,
         kv_manager: KVCacheManager,
-        hasher: RequestHasher,
         connector: KVConnector | None = None,
     ):
         self.limits = limits
         self.kv = kv_manager
-        self.hasher = hasher
         self.connector = connector  # external KV store: hits beyond the device prefix cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Beam search requests by root request id: the root prefills like any request, then its
-        # beams are scheduled together, one token each, in place of the root.
-        self.beam_searches: dict[str, BeamSearch] = {}
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
 
-    def add_request(self, request: Request, beam_search: BeamSearch | None = None) -> None:
-        """Queue a request (with its beam search, if any). Raises ValueError if it could never
-        fit the model or the cache."""
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never fit the model or the cache."""
+        self.check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raises InputError unless `request` could ever run: a free id, a prompt shorter than the
+        context, and blocks for its prompt plus max_tokens."""
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            raise InputError(None, f"request_id {request.request_id!r} is already in use")
         max_len = self.limits.max_model_len
         if request.num_prompt_tokens >= max_len:
-            raise ValueError(
+            raise InputError(
+                "prompt",
                 f"prompt is {request.num_prompt_tokens} tokens; the model's context is {max_len} "
-                f"tokens, so the prompt must be at most {max_len - 1} tokens"
+                f"tokens, so the prompt must be at most {max_len - 1} tokens",
             )
         max_total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
         blocks_needed = -(-max_total // self.kv.block_size)
         if blocks_needed > self.kv.num_blocks:
-            raise ValueError(
+            raise InputError(
+                "max_tokens",
                 f"request needs up to {max_total} tokens ({blocks_needed} KV blocks) but the KV "
                 f"cache holds only {self.kv.num_blocks} blocks of {self.kv.block_size} tokens; "
-                "lower max_tokens or raise kv_cache_memory / num_blocks"
+                "lower max_tokens or raise kv_cache_memory / num_blocks",
             )
-        if beam_search is not None:
-            self._check_beam_search_fits(request, beam_search)
-            self.beam_searches[request.request_id] = beam_search
-        self.hasher.extend(request)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
-    def _check_beam_search_fits(self, request: Request, beam_search: BeamSearch) -> None:
-        width = beam_search.params.beam_width
-        if width > self.limits.max_num_batched_tokens:
-            raise ValueError(
-                f"beam_width {width} exceeds max_num_batched_tokens "
-                f"({self.limits.max_num_batched_tokens}): a request's beams run in one step"
-            )
-        # Worst case: the prompt's blocks shared, then a private chain per running beam and per
-        # kept finished beam (plus a copied partial block each).
-        size = self.kv.block_size
-        blocks_needed = -(-request.num_prompt_tokens // size) + 2 * width * (
-            -(-beam_search.max_new_tokens // size) + 1
-        )
-        if blocks_needed > self.kv.num_blocks:
-            raise ValueError(
-                f"beam search with beam_width {width} may need {blocks_needed} KV blocks but "
-                f"the KV cache holds only {self.kv.num_blocks}; lower beam_width or max_tokens"
-            )
+    def add_running(self, request: Request) -> None:
+        """A sequence whose KV is already in blocks it holds (a fork: KVCacheManager.fork) joins
+        the running list directly, as the newest."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """A request that lost its KV outside a schedule (its driver restarted it) goes back to
+        the front of the waiting queue, as a preempted one does."""
+        self.check_fits(request)
+        request.status = RequestStatus.PREEMPTED
+        self.requests[request.request_id] = request
+        self.waiting.appendleft(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -118,21 +113,13 @@ class Scheduler:
         preempted: list[str] = []
 
         # Running requests first: decodes and unfinished prefill chunks.
-        beam_searches: list[BeamSearch] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            search = self.beam_searches.get(request.request_id) if self.beam_searches else None
-            if search is not None and search.is_started:
-                num_beams = len(search.beams)
-                if num_beams > budget:
-                    i += 1  # a request's beams run together: next step
-                elif self._allocate_beams(request, search, preempted):
-                    beam_searches.append(search)
-                    budget -= num_beams
-                    i += 1
-                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # waits for its driver to give it a token (a beam between steps)
+                i += 1
+                continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # the newest; never one already scheduled (index < i)
                 self._preempt(victim)
@@ -200,23 +187,9 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
                 mm_inputs=_mm_inputs(r, r.num_computed_tokens, r.num_computed_tokens + n),
-                beam_index=0 if self.beam_searches and r.request_id in self.beam_searches else None,
+                return_logprobs_row=not r.sample_tokens,
             )
             for r, n in scheduled
-        ]
-        sequences += [
-            ScheduledSequence(
-                request_id=search.root.request_id,
-                token_ids=beam.all_token_ids[beam.num_computed_tokens :],
-                num_computed_tokens=beam.num_computed_tokens,
-                block_table=self.kv.get_block_table(beam.request_id),
-                needs_sample=True,
-                sampling_params=beam.sampling_params,
-                num_output_tokens=beam.num_output_tokens,
-                beam_index=index,
-            )
-            for search in beam_searches
-            for index, beam in enumerate(search.beams)
         ]
         copies = [(c.src_block_id, c.dst_block_id, c.num_tokens) for c in self.kv.take_copies()]
         connector_metadata = self.connector.build_connector_meta() if self.connector is not None else None
@@ -226,18 +199,6 @@ class Scheduler:
             preempted_request_ids=preempted,
             kv_connector_metadata=connector_metadata,
         )
-
-    def _allocate_beams(self, request: Request, search: BeamSearch, preempted: list[str]) -> bool:
-        """One slot per beam of `request`, preempting the newest requests if needed. Returns False
-        when `request` itself was preempted (its search restarts from the prompt later)."""
-        for beam in search.beams:
-            while self.kv.allocate_slots(beam, 1) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    return False
-        return True
 
     def _uncomputed_block_hashes(self, request: Request) -> list[BlockHash]:
         return request.block_hashes[request.num_computed_tokens // self.kv.block_size :]
@@ -280,9 +241,6 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
-        search = self.beam_searches.get(request.request_id) if self.beam_searches else None
-        if search is not None:
-            search.reset()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -291,47 +249,28 @@ class Scheduler:
         logger.debug("preempted %s (recompute)", request.request_id)
 
     def update_from_output(
-        self,
-        output: SchedulerOutput,
-        sampled_token_ids: dict[str, int],
-        beam_logprobs: dict[str, torch.Tensor] | None = None,
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
         """Advance scheduled requests by the step's results.
 
         Appends sampled tokens, applies token-level stop rules, commits the blocks whose KV the
         step computed (so they are reusable from the next step on, while the request still runs)
-        and frees finished requests. Beam searches step on their beams' logprobs instead (and
-        commit only their prompt, see BeamSearch). Returns the requests that got a new token or
-        finished (a beam search only when it finished).
+        and frees finished requests. A sequence that does not sample (Request.sample_tokens) is
+        only advanced: its driver appends its tokens and decides what it publishes. Returns the
+        requests that got a new token or finished.
         """
         touched: list[Request] = []
         for seq in output.sequences:
             request = self.requests[seq.request_id]
-            if seq.beam_index is not None and self.beam_searches[seq.request_id].is_started:
-                self.beam_searches[seq.request_id].beams[seq.beam_index].num_computed_tokens += 1
-                continue
             request.num_computed_tokens += len(seq.token_ids)
-            if seq.beam_index is not None:  # the root's prompt: committed as usual
-                self.kv.commit(request, request.num_computed_tokens)
+            if not request.sample_tokens:
                 continue
             if seq.needs_sample:
                 request.append_output_token(sampled_token_ids[seq.request_id])
-                self.hasher.extend(request)
                 self._check_token_stop(request)
                 touched.append(request)
             self.kv.commit(request, request.num_computed_tokens)
             if request.is_finished:
-                self._release(request)
-        for request_id, logprobs in (beam_logprobs or {}).items():
-            search = self.beam_searches[request_id]
-            if search.step(logprobs):
-                request = self.requests[request_id]
-                best = search.finished[0] if search.finished else None
-                stopped = best is not None and best.ended_with_eos
-                request.status = (
-                    RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH
-                )
-                touched.append(request)
                 self._release(request)
         return touched
 
@@ -362,9 +301,6 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
             self.kv.free(request)
-        search = self.beam_searches.pop(request.request_id, None) if self.beam_searches else None
-        if search is not None:
-            search.free()  # an abort; a search that ended has freed its blocks already
         self.requests.pop(request.request_id, None)
 
 

@@ -30,9 +30,9 @@ class ScheduledSequence:
     # Images whose placeholder range meets this chunk, with their encoder inputs (pixel arrays):
     # the runner writes the features of the covered positions into the chunk's embeddings.
     mm_inputs: tuple[tuple[MultiModalItem, Any], ...] = ()
-    # Beam search: the sequence's beam within request_id (0 for the prompt); the runner returns
-    # log-probabilities for it instead of a sampled token. None for ordinary sequences.
-    beam_index: int | None = None
+    # The runner returns the fp32 log-softmax row of the last position instead of sampling a
+    # token (a sequence driven from above the scheduler, e.g. a beam; see Request.sample_tokens).
+    return_logprobs_row: bool = False
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,6 @@ class BlockPool:
         parent_hash: BlockHash,
         token_ids: tuple[int, ...],
         extra_keys: ExtraKeys,
-        lora_name: str | None = None,
     ) -> bool:
         """Publishes a full block whose KV has been computed, under `block_hash`.
 
@@ -198,7 +197,6 @@ class BlockPool:
                     token_ids=token_ids,
                     block_size=len(token_ids),
                     extra_keys=extra_keys,
-                    lora_name=lora_name,
                 )
             )
         return True

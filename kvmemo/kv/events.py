@@ -20,7 +20,6 @@ class BlockStored:
     token_ids: tuple[int, ...]  # tokens of all stored blocks, concatenated
     block_size: int  # tokens per block
     extra_keys: ExtraKeys  # extra keys of the (first) stored block
-    lora_name: str | None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ HASH_ALGORITHMS = ("sha256", "xxh3_128")
 # Bump when the KV page layout changes, so blocks written by an older layout never match.
 LAYOUT_VERSION = 1
 
-# One extra key: (mm content hash, block start - item offset), ("lora", name) or ("salt", salt).
+# One extra key: (mm content hash, block start - item offset) or ("salt", salt).
 ExtraKey = Union[tuple[bytes, int], tuple[str, str]]
 ExtraKeys = tuple[ExtraKey, ...]
 
@@ -110,22 +110,24 @@ def hash_block(
 
 
 def extra_keys_for_range(request: Request, start: int, end: int) -> ExtraKeys:
-    """Extra keys of the token range [start, end) of `request`, in the order DESIGN.md fixes.
+    """Extra keys of the token range [start, end) of `request`, in the order DESIGN.md fixes."""
+    return _extra_keys(request.mm_items, request.cache_salt, start, end)
 
-    Multimodal items overlapping the range give (content_hash, start - item.offset); then
-    ("lora", lora_name) if set; then ("salt", cache_salt) only for a range starting at 0.
-    Needs request.mm_items sorted by offset and non-overlapping (checked by RequestHasher.extend);
-    a bisect on the item ends keeps this O(log items + items overlapping).
+
+def _extra_keys(
+    items: Sequence[MultiModalItem], cache_salt: str | None, start: int, end: int
+) -> ExtraKeys:
+    """Multimodal items overlapping [start, end) give (content_hash, start - item.offset); then
+    ("salt", cache_salt) only for a range starting at 0. Needs items sorted by offset and
+    non-overlapping (checked before the first block is hashed); a bisect on the item ends keeps
+    this O(log items + items overlapping).
     """
     keys: list[ExtraKey] = []
-    items = request.mm_items
     if items:
         for i in overlapping_items(items, start, end):
             keys.append((items[i].content_hash, start - items[i].offset))
-    if request.lora_name is not None:
-        keys.append(("lora", request.lora_name))
-    if start == 0 and request.cache_salt is not None:
-        keys.append(("salt", request.cache_salt))
+    if start == 0 and cache_salt is not None:
+        keys.append(("salt", cache_salt))
     return tuple(keys)
 
 
@@ -158,18 +160,40 @@ class RequestHasher:
     def extend(self, request: Request) -> None:
         """Appends the hash of every newly full block of request.all_token_ids.
 
+        Called by the Request itself (Request.extend_block_hashes), whenever its tokens grow.
         Side effect: mutates request.block_hashes; resumes at len(request.block_hashes).
         Raises ValueError if request.mm_items is unsorted or overlapping (checked on first call).
         """
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
+        self._chain(
+            request.block_hashes, request.all_token_ids, request.mm_items, request.cache_salt
+        )
+
+    def hash_prompt(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
+    ) -> list[BlockHash]:
+        """The hashes of a prompt's full blocks, as a request of this engine would get them
+        (the router predicts a replica's hits with this)."""
+        hashes: list[BlockHash] = []
+        self._chain(hashes, token_ids, mm_items, cache_salt)
+        return hashes
+
+    def _chain(
+        self,
+        hashes: list[BlockHash],
+        tokens: Sequence[int],
+        mm_items: Sequence[MultiModalItem],
+        cache_salt: str | None,
+    ) -> None:
         size = self.block_size
-        if not hashes and request.mm_items:
-            _check_mm_items(request.mm_items)
+        if not hashes and mm_items:
+            _check_mm_items(mm_items)
         parent = hashes[-1] if hashes else self.root
         for index in range(len(hashes), len(tokens) // size):
             start = index * size
-            keys = extra_keys_for_range(request, start, start + size)
+            keys = _extra_keys(mm_items, cache_salt, start, start + size)
             parent = hash_block(parent, tokens[start : start + size], keys, self.algorithm)
             hashes.append(parent)
             self.num_hashed_blocks += 1

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import KVEvent
-from kvmemo.kv.hashing import BlockHash, RequestHasher, extra_keys_for_range
+from kvmemo.kv.hashing import BlockHash, extra_keys_for_range
+from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.match import NO_MATCH, BlockCopy, PartialMatch, PrefixCacheStats, PrefixMatch
 from kvmemo.kv.partial_index import PartialEntry, PartialIndex, common_prefix_len
 
@@ -40,25 +41,20 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int,
-        block_size: int,
-        hasher: RequestHasher,
+        layout: KVLayout,
         *,
         enable_caching: bool = True,
         enable_partial_reuse: bool = True,
         enable_events: bool = False,
     ) -> None:
-        if hasher.block_size != block_size:
-            raise ValueError(
-                f"block_size must equal the hasher's block_size ({hasher.block_size}), "
-                f"got {block_size!r}"
-            )
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.num_blocks = num_blocks = layout.num_blocks
         self.enable_caching = enable_caching
         self.enable_partial_reuse = enable_caching and enable_partial_reuse
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_events)
-        self._hasher = hasher
+        # Parent hashes and extra keys of blocks; requests extend their own block hashes.
+        self._hasher = layout.new_hasher()
         self._requests: dict[str, _RequestBlocks] = {}
         self._partial = PartialIndex()
         self._copies: list[BlockCopy] = []
@@ -98,7 +94,8 @@ class KVCacheManager:
         or stops hitting it because of the last-token rule, mid-block); see _find_partial.
 
         Does not modify the pool (safe to call repeatedly, e.g. to order the waiting queue).
-        At least one token is always left to compute. Extends request.block_hashes if needed.
+        At least one token is always left to compute. Reads request.block_hashes, which the
+        request extends itself.
 
         Raises:
             ValueError: if request.num_computed_tokens != 0 (only for a first schedule or after
@@ -111,7 +108,6 @@ class KVCacheManager:
             )
         if not self.enable_caching:
             return NO_MATCH
-        self._hasher.extend(request)
         size = self.block_size
         tokens = request.all_token_ids
         max_hit_tokens = len(tokens) - 1  # the step needs logits at the last position
@@ -322,8 +318,8 @@ class KVCacheManager:
 
         Commits each full block below num_computed_tokens once (stored once: a block whose hash
         is already mapped stays private), and records the computed part of the last, partial
-        block in the partial index. Call AFTER the step that computed the KV; extends
-        request.block_hashes if needed. Does nothing when caching is off.
+        block in the partial index. Call AFTER the step that computed the KV. Does nothing
+        when caching is off.
         """
         if not self.enable_caching:
             return
@@ -331,9 +327,11 @@ class KVCacheManager:
         assert state is not None, f"commit for {request.request_id!r}, which holds no blocks"
         size = self.block_size
         assert num_computed_tokens <= min(request.num_tokens, len(state.blocks) * size)
-        self._hasher.extend(request)
         tokens = request.all_token_ids
         num_full = num_computed_tokens // size
+        assert len(request.block_hashes) >= num_full, (
+            f"request {request.request_id!r} has no block hashes: build it with the engine's hasher"
+        )
         for index in range(state.num_committed_blocks, num_full):
             block = state.blocks[index]
             start = index * size
@@ -344,7 +342,6 @@ class KVCacheManager:
                 self._hasher.parent_hash(request, index),
                 tuple(tokens[start : start + size]),
                 self._hasher.extra_keys(request, index),
-                request.lora_name,
             )
         num_tail = num_computed_tokens - num_full * size
         if self.enable_partial_reuse and num_tail > 0 and num_full >= state.num_committed_blocks:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmemo.engine.async_engine import (
+from kvmemo.engine import (
     AsyncEngine,
     EngineDeadError,
     QueueFullError,
@@ -197,7 +197,7 @@ def create_app(
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_model_len)])
 
     @app.get("/health")
     async def health():

@@ -47,7 +47,6 @@ def _event_to_wire(event: KVEvent) -> dict[str, Any]:
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "extra_keys": [list(key) for key in event.extra_keys],
-            "lora_name": event.lora_name,
         }
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [bytes(h) for h in event.block_hashes]}
@@ -66,7 +65,6 @@ def _event_from_wire(item: dict[str, Any]) -> KVEvent:
             token_ids=tuple(item["token_ids"]),
             block_size=item["block_size"],
             extra_keys=tuple(tuple(key) for key in item["extra_keys"]),  # type: ignore[misc]
-            lora_name=item["lora_name"],
         )
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=tuple(BlockHash(h) for h in item["block_hashes"]))

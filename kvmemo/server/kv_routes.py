@@ -12,21 +12,20 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 if TYPE_CHECKING:
-    from kvmemo.engine.async_engine import AsyncEngine
+    from kvmemo.engine import AsyncEngine, Engine
     from kvmemo.server.kv_events import KVEventPublisher
 
 
 def add_kv_routes(
     app: FastAPI, engine: AsyncEngine, publisher: KVEventPublisher | None, model_name: str
 ) -> None:
-    inner = engine.engine
-    hasher = inner.hasher
+    kv = engine.kv_info()
     info = {
         "model": model_name,
-        "weights_fingerprint": inner.loaded.weights_fingerprint,
-        "namespace_root": bytes(hasher.root).hex(),
-        "block_size": hasher.block_size,
-        "hash_algorithm": hasher.algorithm,
+        "weights_fingerprint": kv.weights_fingerprint,
+        "namespace_root": bytes(kv.namespace_root).hex(),
+        "block_size": kv.block_size,
+        "hash_algorithm": kv.hash_algorithm,
         "kv_events_endpoint": None if publisher is None else publisher.endpoint,
     }
 
@@ -36,8 +35,8 @@ def add_kv_routes(
 
     @app.get("/kv/blocks")
     async def kv_blocks() -> dict[str, Any]:
-        def snapshot(e) -> tuple[str | None, int, list[bytes]]:
-            hashes = e.kv_manager.block_pool.cached_block_hashes()
+        def snapshot(e: Engine) -> tuple[str | None, int, list[bytes]]:
+            hashes = e.cached_block_hashes()
             if publisher is None:
                 return None, 0, hashes
             return publisher.epoch, publisher.seq, hashes

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from kvmemo.engine.async_engine import AsyncEngine
+    from kvmemo.engine import AsyncEngine
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -51,15 +51,15 @@ class ServerMetrics:
         def gauge(name: str, doc: str, read) -> None:
             Gauge(name, doc, registry=r).set_function(read)
 
-        def m(key: str):
-            return lambda: float(engine.metrics[key])
+        def m(name: str):
+            return lambda: float(getattr(engine.stats, name))
 
         gauge("kvmemo_num_requests_running", "Sequences running in the engine", m("num_running"))
         gauge("kvmemo_num_requests_waiting", "Sequences waiting for admission", m("num_waiting"))
         gauge(
             "kvmemo_kv_blocks_in_use",
             "KV blocks referenced by requests (cached free blocks excluded)",
-            lambda: float(engine.metrics["kv_num_blocks"] - engine.metrics["kv_num_free_blocks"]),
+            lambda: float(engine.stats.kv_num_blocks - engine.stats.kv_num_free_blocks),
         )
         gauge("kvmemo_kv_blocks_total", "KV blocks in the pool", m("kv_num_blocks"))
         gauge("kvmemo_kv_cache_usage", "Fraction of KV blocks in use", m("kv_usage"))
@@ -76,7 +76,7 @@ class ServerMetrics:
         gauge(
             "kvmemo_store_hit_tokens",
             "Prompt tokens loaded from the persistent KV store (0 without --kv-store)",
-            lambda: float(engine.metrics.get("store_hit_tokens", 0)),
+            m("store_hit_tokens"),
         )
 
         tier_hits = Gauge(
@@ -91,11 +91,13 @@ class ServerMetrics:
             ["tier"],
             registry=r,
         )
-        for key in engine.metrics:  # the tiers are fixed when the engine is built
-            if key.startswith("store_tier_") and key.endswith("_served_blocks"):
-                tier = key.removeprefix("store_tier_").removesuffix("_served_blocks")
-                tier_hits.labels(tier).set_function(m(key))
-                tier_errors.labels(tier).set_function(m(f"store_tier_{tier}_errors"))
+        for index, tier in enumerate(engine.stats.store_tiers):  # fixed when the engine is built
+            tier_hits.labels(tier.name).set_function(
+                lambda i=index: float(engine.stats.store_tiers[i].served_blocks)
+            )
+            tier_errors.labels(tier.name).set_function(
+                lambda i=index: float(engine.stats.store_tiers[i].errors)
+            )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,10 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvmemo.engine.processor import InputProcessor
+from kvmemo.intake.processor import InputProcessor
 from kvmemo.kv.hashing import BlockHash, RequestHasher
-from kvmemo.request import Request
-from kvmemo.sampling import SamplingParams
 
 
 def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
@@ -48,6 +46,11 @@ class PromptHasher:
         self.processor = InputProcessor(tokenizer, len(tokenizer), chat_template)
         self.hasher = RequestHasher(root, block_size, algorithm)
 
+    @property
+    def key(self) -> tuple[str, int, str]:
+        """(namespace root hex, block size, algorithm): a replica's /kv/info must match it."""
+        return (bytes(self.hasher.root).hex(), self.hasher.block_size, self.hasher.algorithm)
+
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt tokens the replica will see, or None when the body is not one it accepts
         (the replica then answers with the error)."""
@@ -57,7 +60,7 @@ class PromptHasher:
                     # Image blocks hash with the image's content, which the router does not
                     # compute: no prediction, so the prompt goes to the least loaded replica.
                     return None
-                return self.processor.encode_chat(_messages(body["messages"]))[1]
+                return self.processor.process_chat(body["messages"]).token_ids
             prompt = body["prompt"]
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
@@ -71,14 +74,7 @@ class PromptHasher:
         salt = body.get("cache_salt")
         if not token_ids or (salt is not None and not isinstance(salt, str)):
             return []
-        request = Request(
-            request_id="route",
-            prompt_token_ids=token_ids,
-            sampling_params=SamplingParams(),
-            cache_salt=salt,
-        )
-        self.hasher.extend(request)
-        return list(request.block_hashes)
+        return self.hasher.hash_prompt(token_ids, cache_salt=salt)
 
 
 def _has_images(messages: list[dict[str, Any]]) -> bool:
@@ -89,15 +85,3 @@ def _has_images(messages: list[dict[str, Any]]) -> bool:
         for part in message["content"]
     )
 
-
-def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The server's normalisation (app.py chat): text parts joined by newlines, developer is
-    system."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "\n".join(part.get("text", "") for part in content)
-        role = "system" if message.get("role") == "developer" else message.get("role")
-        out.append({"role": role, "content": content or ""})
-    return out

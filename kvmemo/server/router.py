@@ -164,8 +164,7 @@ class Router:
             self.hasher = PromptHasher(
                 self.tokenizer, self.chat_template, BlockHash(bytes.fromhex(key[0])), key[1], key[2]
             )
-        elif key != (bytes(self.hasher.hasher.root).hex(), self.hasher.hasher.block_size,
-                     self.hasher.hasher.algorithm):
+        elif key != self.hasher.key:
             logger.error("replica %s hashes blocks differently; not routing to it", replica.url)
             return False
         replica.info = info

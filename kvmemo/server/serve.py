@@ -37,8 +37,7 @@ def serve(
     import uvicorn
 
     from kvmemo.config import EngineConfig
-    from kvmemo.engine.async_engine import AsyncEngine
-    from kvmemo.engine.engine import Engine
+    from kvmemo.engine import AsyncEngine, Engine
     from kvmemo.server.app import create_app
 
     options = dict(engine_options or {})

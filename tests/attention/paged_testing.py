@@ -89,8 +89,7 @@ def make_batch(
             slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(c)])
             cache.write(0, k[:c], v[:c], slots)
     md = AttentionMetadata.build(block_tables=tables, num_computed_tokens=cached, query_lens=new,
-                                 block_size=block_size, num_cache_blocks=num_blocks,
-                                 request_ids=[f"r{i}" for i in range(len(new))])
+                                 block_size=block_size, num_cache_blocks=num_blocks)
     return Batch(
         cache=cache,
         metadata=md,

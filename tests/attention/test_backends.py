@@ -82,7 +82,7 @@ def test_chunked_prefill_over_steps_equals_one_dense_pass(dtype):
     for step, n in enumerate(chunks):
         md = AttentionMetadata.build(
             block_tables=[table_a, table_b], num_computed_tokens=[start, 40 + step], query_lens=[n, 1],
-            block_size=block_size, num_cache_blocks=batch.cache.num_blocks, request_ids=["a", "b"],
+            block_size=block_size, num_cache_blocks=batch.cache.num_blocks,
         )
         rows = list(range(start, start + n)) + [70 + step]
         k = torch.cat([batch.full_k[0][start : start + n], batch.full_k[1][40 + step : 41 + step]])
@@ -110,7 +110,7 @@ def test_cascade_path_applies_fp8_scales(monkeypatch, dtype):
     tables = [batch.metadata.block_tables[0].tolist(), shared + batch.metadata.block_tables[1, 3:5].tolist()]
     batch.metadata = AttentionMetadata.build(
         block_tables=tables, num_computed_tokens=[24, 30], query_lens=[1, 5], block_size=8,
-        num_cache_blocks=batch.cache.num_blocks, request_ids=["a", "b"])
+        num_cache_blocks=batch.cache.num_blocks)
     k1 = batch.full_k[1][24:30]
     slots = torch.tensor([tables[1][p // 8] * 8 + p % 8 for p in range(24, 30)])
     batch.cache.write(0, k1, batch.full_v[1][24:30], slots)

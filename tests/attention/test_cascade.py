@@ -100,7 +100,6 @@ def build_batch(
         query_lens=new,
         block_size=block_size,
         num_cache_blocks=num_blocks,
-        request_ids=[f"r{i}" for i in range(len(new))],
     )
     write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), md.slot_mapping)
     q = torch.randn(md.num_tokens, NUM_KV_HEADS * group, HEAD_DIM, dtype=dtype)
@@ -261,7 +260,6 @@ def test_default_thresholds_skip_small_prefixes_and_take_the_product_workload():
         query_lens=[1] * 32,
         block_size=block_size,
         num_cache_blocks=64 + 5 * 32,
-        request_ids=[str(s) for s in range(32)],
     )
     assert cascade_prefix_blocks(md) == 64
     small = AttentionMetadata.build(
@@ -270,7 +268,6 @@ def test_default_thresholds_skip_small_prefixes_and_take_the_product_workload():
         query_lens=[1] * 4,
         block_size=block_size,
         num_cache_blocks=8,
-        request_ids=list("abcd"),
     )
     assert cascade_prefix_blocks(small) == 0
 

@@ -67,8 +67,7 @@ def shared_prefix_step(cached: list[int], new: list[int], bias: float, smooth: b
         slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c)])
         cache.write(0, k[:c], v[:c], slots)
     md = AttentionMetadata.build(block_tables=tables, num_computed_tokens=cached, query_lens=new,
-                                 block_size=BLOCK_SIZE, num_cache_blocks=num_blocks,
-                                 request_ids=[f"r{i}" for i in range(len(new))])
+                                 block_size=BLOCK_SIZE, num_cache_blocks=num_blocks)
     q = torch.randn(md.num_tokens, NUM_KV_HEADS * GROUP, HEAD_DIM) * 2
     new_k = torch.cat([k[c:] for k, c in zip(full_k, cached)])
     new_v = torch.cat([v[c:] for v, c in zip(full_v, cached)])

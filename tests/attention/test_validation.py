@@ -16,37 +16,33 @@ from tests.attention.paged_testing import HEAD_DIM, make_batch
 pytestmark = pytest.mark.usefixtures("decode_path")  # kernel and gather decodes
 
 GOOD = dict(block_tables=[[0, 1], [2]], num_computed_tokens=[17, 3], query_lens=[1, 2],
-            block_size=16, num_cache_blocks=4, request_ids=["a", "b"])
+            block_size=16, num_cache_blocks=4)
 
 
 def build(**changes) -> AttentionMetadata:
     return AttentionMetadata.build(**{**GOOD, **changes})
 
 
-def test_good_metadata_carries_request_ids_and_beam_indices():
+def test_good_metadata_maps_slots_and_lengths():
     md = build()
-    assert md.request_ids == ["a", "b"] and md.beam_indices == [0, 0]  # default: beam 0
+    assert md.num_seqs == 2 and not hasattr(md, "request_ids")  # positions in a batch, no owners
     assert md.slot_mapping.tolist() == [1 * 16 + 1, 2 * 16 + 3, 2 * 16 + 4]
     assert md.seq_lens == [18, 5] and md.query_start_loc == [0, 1, 3]
-    beams = build(request_ids=["a", "a"], beam_indices=[0, 1])
-    assert beams.beam_indices == [0, 1]
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(request_ids=["a"]), r"'request_ids': 1.* for 2 sequences"),
-        (dict(beam_indices=[0]), r"'beam_indices': 1.* for 2 sequences"),
-        (dict(beam_indices=[0, 1, 2]), r"'beam_indices': 3.* for 2 sequences"),
+        (dict(block_tables=[[0, 1], [2], [3]]), r"'block_tables': 3.* for 2 sequences"),
         (dict(block_tables=[[0, 1]]), r"'block_tables': 1.* for 2 sequences"),
         (dict(num_computed_tokens=[17]), r"'num_computed_tokens': 1.* for 2 sequences"),
-        (dict(num_computed_tokens=[40, 3]), r"sequence 0 \('a', beam 0\) has 2 blocks, too short for a context of 41"),
-        (dict(block_tables=[[0, 1], []]), r"sequence 1 \('b', beam 0\) has 0 blocks"),
+        (dict(num_computed_tokens=[40, 3]), r"sequence 0 has 2 blocks, too short for a context of 41"),
+        (dict(block_tables=[[0, 1], []]), r"sequence 1 has 0 blocks"),
         (dict(block_tables=[[0, 4], [2]]), r"block id outside \[0, 4\)"),
         (dict(block_tables=[[0, 1], [-1]]), r"block id outside \[0, 4\)"),
         (dict(query_lens=[1, 0]), r"query_lens of sequence 1 .* must be an integer >= 1"),
         (dict(num_computed_tokens=[17, -1]), r"num_computed_tokens of sequence 1 .* >= 0"),
-        (dict(beam_indices=[0, -1]), r"beam_indices of sequence 1 .* >= 0"),
+        (dict(query_lens=[1, "2"]), r"query_lens of sequence 1 .* must be an integer >= 1"),
         (dict(block_size=0), r"block_size must be a positive integer"),
     ],
 )

@@ -87,7 +87,6 @@ def test_save_then_load_round_trips_every_layer(setup):
             token_ids=(),
             block_size=BS,
             extra_keys=(),
-            lora_name=None,
         )
         for h in request.block_hashes
     ]

@@ -42,13 +42,15 @@ def test_bad_tier_lists_name_kv_store(value, message):
 
 def test_engine_config_takes_a_string_or_a_list():
     assert EngineConfig(kv_store="disk:/a").kv_store == "disk:/a"
-    config = EngineConfig(kv_store=["disk:/a", "redis://h:6379/0"])
+    config = EngineConfig.from_kwargs(kv_store=["disk:/a", "redis://h:6379/0"])
     assert config.kv_store == ("disk:/a", "redis://h:6379/0")
     hash(config)  # frozen configs stay hashable
     with pytest.raises(ValueError, match="kv_store"):
-        EngineConfig(kv_store=["disk:/a", "ftp://x"])
+        EngineConfig.from_kwargs(kv_store=["disk:/a", "ftp://x"])
     with pytest.raises(ValueError, match="kv_store"):
-        EngineConfig(kv_store=[])
+        EngineConfig.from_kwargs(kv_store=[])
+    with pytest.raises(ValueError, match="tuple"):  # frozen: the constructor never converts
+        EngineConfig(kv_store=["disk:/a"])
 
 
 def test_cli_kv_store_is_repeatable():

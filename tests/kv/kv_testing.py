@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 from kvmemo.kv.hashing import RequestHasher, namespace_root_hash
+from kvmemo.kv.layout import KVLayout, full_attention_groups
 from kvmemo.kv.manager import KVCacheManager, PrefixMatch
 from kvmemo.request import MultiModalItem, Request
 from kvmemo.sampling import SamplingParams
 
 
-def make_hasher(block_size: int = 4, algorithm: str = "sha256") -> RequestHasher:
+def make_layout(
+    num_blocks: int = 10, block_size: int = 4, algorithm: str = "sha256"
+) -> KVLayout:
     root = namespace_root_hash(
         weights_fingerprint="test-weights",
         kv_cache_dtype="bfloat16",
         block_size=block_size,
         algorithm=algorithm,
     )
-    return RequestHasher(root, block_size, algorithm)
+    return KVLayout(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_dtype="bfloat16",
+        bytes_per_token=4,
+        namespace_root=root,
+        hash_algorithm=algorithm,
+        groups=full_attention_groups(2),
+    )
+
+
+def make_hasher(block_size: int = 4, algorithm: str = "sha256") -> RequestHasher:
+    return make_layout(block_size=block_size, algorithm=algorithm).new_hasher()
 
 
 def make_manager(num_blocks: int = 10, block_size: int = 4, **kwargs: bool) -> KVCacheManager:
-    return KVCacheManager(num_blocks, block_size, make_hasher(block_size), **kwargs)
+    return KVCacheManager(make_layout(num_blocks, block_size), **kwargs)
 
 
 def make_request(
@@ -27,16 +42,18 @@ def make_request(
     token_ids: list[int],
     *,
     mm_items: list[MultiModalItem] | None = None,
-    lora_name: str | None = None,
     cache_salt: str | None = None,
+    hasher: RequestHasher | None = None,
+    block_size: int = 4,
 ) -> Request:
+    """A request hashed like the engine's (the test layout's hasher unless one is given)."""
     return Request(
         request_id=request_id,
         prompt_token_ids=list(token_ids),
         sampling_params=SamplingParams(),
         mm_items=mm_items or [],
-        lora_name=lora_name,
         cache_salt=cache_salt,
+        hasher=hasher if hasher is not None else make_hasher(block_size),
     )
 
 

@@ -11,8 +11,7 @@ from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import BlockStored
 from kvmemo.kv.free_queue import FreeBlockQueue
 from kvmemo.kv.hashing import BlockHash
-from kvmemo.kv.manager import KVCacheManager
-from tests.kv.kv_testing import admit, finish_step, make_hasher, make_manager, make_request
+from tests.kv.kv_testing import admit, finish_step, make_layout, make_manager, make_request
 
 _H1, _H2, _ROOT = BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"root")
 
@@ -39,7 +38,7 @@ def test_pool_touch_free_and_evict() -> None:
     a, b = pool.get_new_blocks(2)
     assert (a.block_id, b.block_id, a.ref_count) == (0, 1, 1)
     assert pool.commit_block(a, _H1, _ROOT, (1, 2), ())
-    assert pool.take_events() == [BlockStored((_H1,), _ROOT, (1, 2), 2, (), None)]
+    assert pool.take_events() == [BlockStored((_H1,), _ROOT, (1, 2), 2, ())]
     pool.free_blocks([b, a])
     assert pool.free_block_ids() == [2, 3, 1, 0] and pool.usage == 0.0
     assert pool.get_cached_block(_H1) is a
@@ -68,8 +67,8 @@ def test_commit_is_once_and_stored_once() -> None:
 def test_bad_sizes_are_value_errors() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
-    with pytest.raises(ValueError, match="block_size"):
-        KVCacheManager(4, 16, make_hasher(block_size=8))
+    with pytest.raises(ValueError, match="block_size"):  # one layout: no second size to disagree
+        make_layout(block_size=0)
     request = make_request("a", [1, 2, 3])
     request.num_computed_tokens = 1
     with pytest.raises(ValueError, match="num_computed_tokens"):
@@ -88,7 +87,8 @@ def test_hash_collision_never_serves_wrong_kv(monkeypatch: pytest.MonkeyPatch) -
     admit(manager, a)
     finish_step(manager, a)
     b = make_request("b", list(range(100, 109)))
-    assert b.block_hashes == [] and manager.get_computed_blocks(b).num_tokens == 0
+    assert b.block_hashes == a.block_hashes[:2]  # hashed at construction: the chains collide
+    assert manager.get_computed_blocks(b).num_tokens == 0
     assert b.block_hashes == a.block_hashes  # the hashes did collide
     # The same tokens still hit.
     assert manager.get_computed_blocks(make_request("c", list(range(9)))).num_tokens == 8

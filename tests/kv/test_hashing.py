@@ -79,13 +79,13 @@ def test_encoding_is_unambiguous() -> None:
         hash_block(root, [1], (1.5,))
 
 
-def test_extra_keys_order_mm_lora_salt() -> None:
+def test_extra_keys_order_mm_salt() -> None:
     items = [MultiModalItem(2, 3, b"img-a"), MultiModalItem(6, 4, b"img-b")]
-    req = make_request("r", list(range(16)), mm_items=items, lora_name="ad", cache_salt="s")
-    assert extra_keys_for_range(req, 0, 4) == ((b"img-a", -2), ("lora", "ad"), ("salt", "s"))
-    assert extra_keys_for_range(req, 4, 8) == ((b"img-a", 2), (b"img-b", -2), ("lora", "ad"))
-    assert extra_keys_for_range(req, 8, 12) == ((b"img-b", 2), ("lora", "ad"))
-    assert extra_keys_for_range(req, 12, 16) == (("lora", "ad"),)
+    req = make_request("r", list(range(16)), mm_items=items, cache_salt="s")
+    assert extra_keys_for_range(req, 0, 4) == ((b"img-a", -2), ("salt", "s"))
+    assert extra_keys_for_range(req, 4, 8) == ((b"img-a", 2), (b"img-b", -2))
+    assert extra_keys_for_range(req, 8, 12) == ((b"img-b", 2),)
+    assert extra_keys_for_range(req, 12, 16) == ()
 
 
 @settings(max_examples=100, deadline=None)
@@ -114,16 +114,15 @@ def test_extra_keys_match_a_linear_scan(
 
 def test_extend_hashes_each_block_exactly_once() -> None:
     hasher = make_hasher(block_size=4)
-    req = make_request("r", [1, 2, 3])
+    req = make_request("r", [1, 2, 3], hasher=hasher)
     hasher.extend(req)
     assert req.block_hashes == [] and hasher.num_hashed_blocks == 0
     for token in range(4, 30):
-        req.append_output_token(token)
-        hasher.extend(req)
+        req.append_output_token(token)  # the request extends its own hashes
         hasher.extend(req)  # idempotent
     assert len(req.block_hashes) == 29 // 4 == hasher.num_hashed_blocks
     fresh = make_hasher(block_size=4)
-    whole = make_request("w", req.all_token_ids)
+    whole = make_request("w", req.all_token_ids, hasher=fresh)
     fresh.extend(whole)
     assert whole.block_hashes == req.block_hashes  # incremental == all at once
     assert fresh.num_hashed_blocks == 7
@@ -131,17 +130,17 @@ def test_extend_hashes_each_block_exactly_once() -> None:
 
 def test_chain_through_parent_and_extra_keys() -> None:
     hasher = make_hasher(block_size=4)
-    plain = make_request("a", list(range(12)))
-    salted = make_request("b", list(range(12)), cache_salt="tenant")
-    salted2 = make_request("c", list(range(12)), cache_salt="tenant")
-    lora = make_request("d", list(range(12)), lora_name="adapter")
-    image = make_request("e", list(range(12)), mm_items=[MultiModalItem(5, 4, b"cat")])
-    image2 = make_request("f", list(range(12)), mm_items=[MultiModalItem(5, 4, b"dog")])
-    for req in (plain, salted, salted2, lora, image, image2):
+    plain = make_request("a", list(range(12)), hasher=hasher)
+    salted = make_request("b", list(range(12)), cache_salt="tenant", hasher=hasher)
+    salted2 = make_request("c", list(range(12)), cache_salt="tenant", hasher=hasher)
+    other = make_request("d", list(range(12)), cache_salt="other-tenant", hasher=hasher)
+    image = make_request("e", list(range(12)), mm_items=[MultiModalItem(5, 4, b"cat")], hasher=hasher)
+    image2 = make_request("f", list(range(12)), mm_items=[MultiModalItem(5, 4, b"dog")], hasher=hasher)
+    for req in (plain, salted, salted2, other, image, image2):
         hasher.extend(req)
     assert salted.block_hashes == salted2.block_hashes
     assert not set(salted.block_hashes) & set(plain.block_hashes)  # salt isolates the chain
-    assert not set(lora.block_hashes) & set(plain.block_hashes)
+    assert not set(other.block_hashes) & set(salted.block_hashes)  # one salt per tenant
     assert image.block_hashes[0] == image2.block_hashes[0] == plain.block_hashes[0]
     assert image.block_hashes[1] != image2.block_hashes[1]  # overlaps the image
     assert image.block_hashes[2] != image2.block_hashes[2]  # overlaps it, and chains from it

@@ -27,6 +27,7 @@ def child_of(parent: Request, request_id: str, token: int) -> Request:
         all_token_ids=[*parent.all_token_ids, token],
         block_hashes=list(parent.block_hashes),
         num_computed_tokens=parent.num_tokens,
+        hasher=parent.hasher,
     )
 
 

@@ -95,7 +95,7 @@ def test_partial_entry_needs_equal_extra_keys() -> None:
         return manager.get_computed_blocks(make_request("b", [0, 1, 5], **kwargs)).num_tokens
 
     assert num_hit(cache_salt="t1") == 2
-    assert num_hit(cache_salt="t2") == 0 and num_hit() == 0 and num_hit(lora_name="x") == 0
+    assert num_hit(cache_salt="t2") == 0 and num_hit() == 0 and num_hit(cache_salt="x") == 0
 
 
 def test_partial_entry_holds_only_computed_tokens() -> None:

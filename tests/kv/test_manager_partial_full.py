@@ -172,7 +172,7 @@ def test_a_full_source_that_does_not_fit_changes_nothing() -> None:
 def test_a_full_source_needs_equal_parent_and_extra_keys() -> None:
     manager = make_manager(num_blocks=40)
     cat = [MultiModalItem(5, 2, b"cat")]
-    for rid, kwargs in [("l", {"lora_name": "x"}), ("s", {"cache_salt": "t1"}), ("i", {})]:
+    for rid, kwargs in [("l", {"cache_salt": "x"}), ("s", {"cache_salt": "t1"}), ("i", {})]:
         req = make_request(rid, list(range(8)), mm_items=cat if rid == "i" else None, **kwargs)
         admit(manager, req)
         finish_step(manager, req)
@@ -180,13 +180,13 @@ def test_a_full_source_needs_equal_parent_and_extra_keys() -> None:
     def num_hit(tokens: list[int], **kwargs: object) -> int:
         return manager.get_computed_blocks(make_request("q", tokens, **kwargs)).num_tokens
 
-    assert num_hit([0, 1, 2, 9], lora_name="x") == 3  # block 0 of "l", partially
+    assert num_hit([0, 1, 2, 9], cache_salt="x") == 3  # block 0 of "l", partially
     assert num_hit([0, 1, 2, 9], cache_salt="t1") == 3
     assert num_hit([0, 1, 2, 9], cache_salt="t2") == 0
-    assert num_hit([0, 1, 2, 9], lora_name="y") == 0
+    assert num_hit([0, 1, 2, 9], cache_salt="y") == 0
     assert num_hit([0, 1, 2, 9]) == 3  # block 0 of "i": its image starts in block 1
-    assert num_hit(list(range(7)) + [9], lora_name="x") == 7
-    assert num_hit(list(range(7)) + [9], lora_name="y") == 0
+    assert num_hit(list(range(7)) + [9], cache_salt="x") == 7
+    assert num_hit(list(range(7)) + [9], cache_salt="y") == 0
     assert num_hit(list(range(7)) + [9], mm_items=cat) == 7
     assert num_hit(list(range(7)) + [9], mm_items=[MultiModalItem(5, 2, b"dog")]) == 4
     assert num_hit(list(range(7)) + [9]) == 4  # no image: block 1 of "i" does not match

@@ -179,10 +179,10 @@ def test_duplicate_blocks_are_stored_once() -> None:
     assert prefix.blocks[0] is pool.blocks[0]
 
 
-def test_cache_salt_lora_and_images_isolate() -> None:
+def test_cache_salts_and_images_isolate() -> None:
     manager = make_manager(num_blocks=40)
     tokens = list(range(12))
-    for rid, kwargs in [("s1", {"cache_salt": "t1"}), ("l1", {"lora_name": "x"}), ("p", {})]:
+    for rid, kwargs in [("s1", {"cache_salt": "t1"}), ("l1", {"cache_salt": "x"}), ("p", {})]:
         req = make_request(rid, tokens, **kwargs)
         admit(manager, req)
         finish_step(manager, req, 12)
@@ -192,7 +192,7 @@ def test_cache_salt_lora_and_images_isolate() -> None:
         return len(manager.get_computed_blocks(make_request("q", probe, **kwargs)).blocks)
 
     assert hits(cache_salt="t1") == 3 and hits(cache_salt="t2") == 0
-    assert hits(lora_name="x") == 3 and hits(lora_name="y") == 0
+    assert hits(cache_salt="x") == 3 and hits(cache_salt="y") == 0
     assert hits() == 3
 
     img = make_request("i", tokens, mm_items=[MultiModalItem(5, 4, b"cat")])

@@ -33,7 +33,6 @@ def stored(*ids: int, parent: int | None = None) -> BlockStored:
         token_ids=tuple(range(4 * len(ids))),
         block_size=4,
         extra_keys=((b"\x01" * 32, -3), ("salt", "tenant-a")),
-        lora_name=None,
     )
 
 

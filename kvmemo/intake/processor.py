@@ -1,4 +1,6 @@
-"""InputProcessor: user prompts, chat messages and images -> validated prompt token ids.
+"""InputProcessor: the one intake step. User prompts, chat messages and images -> ProcessedPrompts
+(validated token ids, images placed and hashed). LLM, the async engine (so the server), the CLI
+and the router's prompt hasher all go through it, so a prompt gets the same tokens everywhere.
 
 Invariant: every token id it returns is in [0, vocab_size); each image becomes the model's
 number of placeholder tokens where its marker stood, recorded as a MultiModalItem whose content
@@ -11,18 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmemo.errors import InputError
 from kvmemo.request import MultiModalItem
 
 _ROLES = ("system", "user", "assistant", "tool")
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
-
-
-class InputError(ValueError):
-    """Bad input in a named request field (`param`), which the server reports with its 400."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+# OpenAI's newer name for the system role; chat templates know only "system".
+_ROLE_ALIASES = {"developer": "system"}
+_PROMPT_FORMS = "prompt must be a non-empty string or a non-empty list of token ids"
 
 
 @dataclass(frozen=True)
@@ -57,12 +55,38 @@ class InputProcessor:
         text = prompt if isinstance(prompt, str) else None
         return self._expand_images(token_ids, list(images or ()), text)
 
+    def process_any(self, prompt: Any) -> ProcessedPrompt:
+        """A prompt in any form the offline API takes: a string, token ids, a ProcessedPrompt, or
+        (multimodal models) {"prompt": "USER: <image>\\nWhat is this?", "images": [...]}."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if not isinstance(prompt, dict):
+            return self.process(prompt)
+        unknown = sorted(set(prompt) - {"prompt", "images"})
+        if unknown or "prompt" not in prompt:
+            raise InputError(
+                "prompt",
+                "a dict prompt takes the keys 'prompt' (required) and 'images'; "
+                f"got {sorted(prompt)}",
+            )
+        images = prompt.get("images") or []
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        return self.process(prompt["prompt"], list(images))
+
     def process_chat(self, messages: list[dict[str, Any]]) -> ProcessedPrompt:
-        """Render a conversation whose contents may be OpenAI content-part lists with images."""
+        """Render a conversation whose contents may be OpenAI content-part lists with images.
+
+        OpenAI's message forms are normalised here, once: the "developer" role is "system", a
+        null content is empty, text parts are joined by newlines, image parts become the model's
+        image marker.
+        """
         if not isinstance(messages, list) or not messages:
             validate_messages(messages)
         images: list[Any] = []
-        flat = [self._flatten_message(i, m, images) for i, m in enumerate(messages)]
+        flat = [
+            self._flatten_message(i, _normalise_message(m), images) for i, m in enumerate(messages)
+        ]
         text, token_ids = self.encode_chat(flat)
         try:
             return self._expand_images(token_ids, images, text)
@@ -135,13 +159,16 @@ class InputProcessor:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+                raise InputError("prompt", _PROMPT_FORMS)
             return list(self.tokenizer(prompt)["input_ids"])
         if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+            raise InputError("prompt", _PROMPT_FORMS)
         for t in prompt:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+                raise InputError(
+                    "prompt",
+                    f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}",
+                )
         return list(prompt)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -182,13 +209,32 @@ def _image_source(part: dict[str, Any], where: str) -> Any:  # raises InputError
     return value
 
 
+def _normalise_message(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message  # validate_messages names what is wrong with it
+    role = message.get("role")
+    content = message.get("content")
+    if role in _ROLE_ALIASES or ("content" in message and content is None):
+        return {**message, "role": _ROLE_ALIASES.get(role, role), "content": content or ""}
+    return message
+
+
 def validate_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        raise InputError(
+            "messages", "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+            raise InputError(
+                "messages", f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}"
+            )
         if m["role"] not in _ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {list(_ROLES)}, got {m['role']!r}")
+            raise InputError(
+                "messages", f"messages[{i}].role must be one of {list(_ROLES)}, got {m['role']!r}"
+            )
         if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}].content must be a string, got {type(m['content']).__name__}")
+            raise InputError(
+                "messages",
+                f"messages[{i}].content must be a string, got {type(m['content']).__name__}",
+            )

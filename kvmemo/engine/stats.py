@@ -1,0 +1,76 @@
+"""EngineStats and KVInfo: what an engine tells the outside about itself, as typed values.
+
+Invariant: both are frozen snapshots built by the Engine between steps; readers (the server's
+metrics, the CLI, benchmarks, a router) never reach into the engine's parts for these numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StoreTierStats:
+    """One KV store tier: blocks it served, blocks it lacked, failed calls."""
+
+    name: str
+    served_blocks: int
+    miss_blocks: int
+    errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters since the engine started, and its queue and pool right now."""
+
+    num_steps: int
+    num_preemptions: int
+    num_running: int  # sequences holding KV blocks
+    num_waiting: int  # sequences waiting for admission (the queue depth)
+    kv_num_blocks: int
+    kv_num_free_blocks: int  # free blocks, cached ones included
+    kv_usage: float  # fraction of blocks referenced by sequences
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    prefix_cache_partial_hit_tokens: int
+    prefix_cache_hit_rate: float
+    prefix_cache_evicted_blocks: int
+    prefix_cache_stored_blocks: int
+    # The persistent KV store (all zero and no tiers without --kv-store).
+    store_hit_tokens: int = 0
+    store_miss_tokens: int = 0
+    store_bytes_read: int = 0
+    store_bytes_written: int = 0
+    store_load_s: float = 0.0
+    store_save_s: float = 0.0
+    store_saves_dropped: int = 0
+    store_tiers: tuple[StoreTierStats, ...] = ()
+    # The image encoder cache (all zero for text-only models).
+    mm_encoder_images: int = 0
+    mm_encoder_calls: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_cache_bytes: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Flat name -> number (JSON output, logs); tier counters as store_tier_<name>_<key>."""
+        flat: dict[str, float | int] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "store_tiers"
+        }
+        for tier in self.store_tiers:
+            flat[f"store_tier_{tier.name}_served_blocks"] = tier.served_blocks
+            flat[f"store_tier_{tier.name}_miss_blocks"] = tier.miss_blocks
+            flat[f"store_tier_{tier.name}_errors"] = tier.errors
+        return flat
+
+
+@dataclass(frozen=True, slots=True)
+class KVInfo:
+    """How this engine names KV blocks: what a router needs to hash prompts the same way."""
+
+    weights_fingerprint: str
+    namespace_root: bytes  # parent hash of every chain's first block
+    block_size: int
+    hash_algorithm: str
+    num_blocks: int
+    kv_cache_dtype: str

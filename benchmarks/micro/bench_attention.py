@@ -65,12 +65,12 @@ def paged_case(
     tables = order.tolist()
     prefix = AttentionMetadata.build(block_tables=tables, num_computed_tokens=[0] * num_seqs,
                                      query_lens=[cached] * num_seqs, block_size=BLOCK_SIZE,
-                                     num_cache_blocks=num_blocks, request_ids=[f"r{i}" for i in range(num_seqs)])
+                                     num_cache_blocks=num_blocks)
     cache.write(0, torch.randn(num_seqs * cached, NUM_KV_HEADS, HEAD_DIM),
                 torch.randn(num_seqs * cached, NUM_KV_HEADS, HEAD_DIM), prefix.slot_mapping)
     metadata = AttentionMetadata.build(block_tables=tables, num_computed_tokens=[cached] * num_seqs,
                                        query_lens=[new] * num_seqs, block_size=BLOCK_SIZE,
-                                       num_cache_blocks=num_blocks, request_ids=[f"r{i}" for i in range(num_seqs)])
+                                       num_cache_blocks=num_blocks)
     num_tokens = num_seqs * new
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)

@@ -32,12 +32,12 @@ def run_kvmemo_beams(llm: LLM, prompts: list[list[int]], width: int, max_tokens:
     """One batched beam search; peak blocks in use sampled after every step."""
     engine = llm.engine
     llm.reset_prefix_cache()
-    from kvmemo.engine.beam_search import BeamSearchParams
+    from kvmemo.engine import BeamSearchParams
 
     params = BeamSearchParams(width, max_tokens)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        engine.add_beam_request(ids, params, request_id=f"bench-{i}")
+        engine.add_beam_request(f"bench-{i}", engine.processor.process(ids), params)
     peak_used, num_steps, outputs = 0, 0, []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]

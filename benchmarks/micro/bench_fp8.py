@@ -77,7 +77,7 @@ def paged_logits(llm: LLM, token_ids: list[int], chunk: int) -> torch.Tensor:
         ids = token_ids[start : start + chunk]
         metadata = AttentionMetadata.build(
             block_tables=[table], num_computed_tokens=[start], query_lens=[len(ids)],
-            block_size=cache.block_size, num_cache_blocks=cache.num_blocks, request_ids=["ppl"],
+            block_size=cache.block_size, num_cache_blocks=cache.num_blocks,
             device=device)
         hidden = runner.model(
             torch.tensor(ids, device=device), torch.arange(start, start + len(ids), device=device),

@@ -92,7 +92,7 @@ def run(llm: LLM, prompts: list[dict], params: SamplingParams) -> dict:
         "num_prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "num_cached_tokens": sum(o.metrics.num_cached_tokens for o in outs),
         "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "encoder_images": after["mm_encoder_images"] - before["mm_encoder_images"],
+        "encoder_images": after.mm_encoder_images - before.mm_encoder_images,
     }
 
 
@@ -106,21 +106,14 @@ def hashing_cost(llm: LLM, prompts: list[dict]) -> dict:
     """What prefix caching adds per request when nothing hits, timed alone (robust to load):
     block hashes with image extra keys. Preprocessing and the image content hash run in both
     modes (the hash is what makes a picture cacheable at all), timed too for scale."""
-    from kvmemo.kv.hashing import RequestHasher
-    from kvmemo.request import Request
-
     engine = llm.engine
     start = time.perf_counter()
     processed = [engine.processor.process(p["prompt"], p["images"]) for p in prompts]
     process_s = time.perf_counter() - start
-    requests = [
-        Request(f"h{i}", p.token_ids, SamplingParams(), mm_items=list(p.mm_items))
-        for i, p in enumerate(processed)
-    ]
-    hasher = RequestHasher(engine.hasher.root, engine.hasher.block_size)
+    hasher = engine.layout.new_hasher()
     start = time.perf_counter()
-    for request in requests:
-        hasher.extend(request)
+    for p in processed:
+        hasher.hash_prompt(p.token_ids, mm_items=p.mm_items)
     hash_s = time.perf_counter() - start
     return {
         "num_requests": len(prompts),

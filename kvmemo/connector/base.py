@@ -5,20 +5,20 @@ in hand (read and checksummed at match time), so it is copied into its page befo
 that reads it; saves copy committed blocks off the device before the next schedule can evict them.
 
 The API has two sides, like vLLM's kv_connector/v1/base.py. In kvmemo both live in one process
-and one object; the split says who calls what.
+and one object; the split says who calls what. It holds only the calls the engine makes: loads
+are synchronous and saves are per committed block, so vLLM's per-layer and async-completion
+hooks have no caller here and are not part of it.
 
 Scheduler side (called by the Scheduler, engine thread):
-    get_num_new_matched_tokens(request, num_computed_tokens) -> (num_tokens, load_is_async)
+    get_num_new_matched_tokens(request, num_computed_tokens) -> num_tokens
         Tokens beyond the device hit held by the store as whole consecutive full blocks, from
         block num_computed_tokens // block_size on; at least one token is left to compute.
-        Reads and validates those blocks now (a bad block ends the match). load_is_async: False.
+        Reads and validates those blocks now (a bad block ends the match).
     update_state_after_alloc(request, block_ids, num_external_tokens)
         The first num_external_tokens // block_size of block_ids (the request's new blocks)
         receive the matched payloads in this step. Without this call, the match is dropped.
     build_connector_meta() -> ConnectorMetadata
         The step's loads (block_hash, block_id, payload); clears the scheduler-side state.
-    request_finished(request, block_ids) -> bool
-        True would ask the engine to keep the blocks for an async save; always False here.
     blocks_to_save(events, lookup) -> list[(block_hash, block_id)]
         Committed blocks (from BlockStored events) the store does not have yet.
 
@@ -26,15 +26,9 @@ Worker side (called by the ModelRunner / engine, engine thread):
     register_kv_caches(kv_cache)         the paged K/V tensors loads and saves address.
     start_load_kv(metadata)              copies the step's payloads into their pages, before the
                                          forward (after partial-reuse block copies).
-    wait_for_layer_load(layer)           no-op: start_load_kv finished every layer already.
-    save_kv_layer(layer)                 no-op: saves are per committed block, not per layer
-                                         during the forward (a block is saved only once its KV
-                                         is complete and committed).
     save_blocks(blocks)                  copies committed blocks off the device (all layers' K
                                          and V) and hands them to the store's writer thread.
     wait_for_save()                      blocks until the store has written queued saves.
-    get_finished() -> (saving, loading)  request ids whose async save/load finished: always
-                                         empty, since nothing here is asynchronous per request.
 """
 
 from __future__ import annotations
@@ -92,9 +86,7 @@ class KVConnector(ABC):
     # ---- scheduler side --------------------------------------------------------------------
 
     @abstractmethod
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]: ...
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int: ...
 
     @abstractmethod
     def update_state_after_alloc(
@@ -103,9 +95,6 @@ class KVConnector(ABC):
 
     @abstractmethod
     def build_connector_meta(self) -> ConnectorMetadata: ...
-
-    @abstractmethod
-    def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool: ...
 
     @abstractmethod
     def blocks_to_save(
@@ -120,21 +109,11 @@ class KVConnector(ABC):
     @abstractmethod
     def start_load_kv(self, metadata: ConnectorMetadata) -> None: ...
 
-    def wait_for_layer_load(self, layer: int) -> None:
-        """No-op: start_load_kv copies every layer before the forward starts."""
-
-    def save_kv_layer(self, layer: int) -> None:
-        """No-op: blocks are saved whole after their commit (save_blocks), not per layer."""
-
     @abstractmethod
     def save_blocks(self, blocks: Sequence[tuple[BlockHash, int]]) -> None: ...
 
     @abstractmethod
     def wait_for_save(self) -> None: ...
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """(request ids done saving, done loading) asynchronously: none, nothing is async here."""
-        return set(), set()
 
     @property
     @abstractmethod

@@ -75,9 +75,7 @@ class StoreKVConnector(KVConnector):
 
     # ---- scheduler side --------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Whole consecutive store blocks after the device hit; their payloads are read now.
 
         Args:
@@ -86,7 +84,7 @@ class StoreKVConnector(KVConnector):
                 match starts at the block boundary num_computed_tokens // block_size).
 
         Returns:
-            (tokens to load, False). A miss or an invalid block ends the match.
+            Tokens to load. A miss or an invalid block ends the match.
         """
         start = time.perf_counter()
         size = self.block_size
@@ -101,7 +99,7 @@ class StoreKVConnector(KVConnector):
             loads.append((block_hash, payload))
         self._matches[request.request_id] = _Match(first * size, loads)
         self._load_s += time.perf_counter() - start
-        return len(loads) * size, False
+        return len(loads) * size
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
@@ -129,10 +127,6 @@ class StoreKVConnector(KVConnector):
         self._loads = []
         self._matches.clear()
         return metadata
-
-    def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
-        """False: saves copy the KV off the device at commit time, so nothing must be held."""
-        return False
 
     def blocks_to_save(
         self, events: Sequence[KVEvent], lookup: Callable[[BlockHash], Block | None]

@@ -81,6 +81,7 @@ class Engine:
         compute_dtype = _DTYPES[config.dtype]
         loaded = load_model(config.model, dtype=compute_dtype, device=str(self.device))
         arch = loaded.arch_config
+        self.loaded = loaded  # the model, its config, tokenizer and weights fingerprint
         self.weights_fingerprint = loaded.weights_fingerprint
         self.tokenizer = loaded.tokenizer
         self.processor = InputProcessor(

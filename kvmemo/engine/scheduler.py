@@ -149,7 +149,7 @@ class Scheduler:
                 num_external = 0
                 if self.connector is not None:
                     num_full = len(prefix.blocks) * self.kv.block_size
-                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_full)
+                    num_external = self.connector.get_num_new_matched_tokens(request, num_full)
                     if num_external > 0 and prefix.partial is not None:
                         # The store has the whole block the partial match covers part of.
                         prefix = replace(prefix, partial=None, num_tokens=num_full)

@@ -35,7 +35,7 @@ def test_bytes_per_token_of_the_real_models_pool(fp8_llm):
     assert measured[torch.float8_e4m3fn] * 4 == measured[torch.float32]
     assert measured[torch.float8_e4m3fn] * 2 == measured[torch.bfloat16]
     engine_cache = fp8_llm.engine.runner.kv_cache
-    assert engine_cache.bytes_per_token == fp8_llm.engine.kv_bytes_per_token == measured[torch.float8_e4m3fn]
+    assert engine_cache.bytes_per_token == fp8_llm.engine.layout.bytes_per_token == measured[torch.float8_e4m3fn]
 
 
 def test_startup_log_states_bytes_per_token_and_ratios(caplog):

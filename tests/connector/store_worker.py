@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_cached_tokens": out.metrics.num_cached_tokens,
         "ttft_s": out.metrics.first_token_time - out.metrics.arrival_time,
         "elapsed_s": elapsed_s,
-        "metrics": llm.get_metrics(),
+        "metrics": llm.get_metrics().as_dict(),
     }
     json.dump(result, sys.stdout)
     return 0

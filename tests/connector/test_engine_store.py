@@ -139,12 +139,12 @@ def test_bad_file_is_a_logged_miss_and_output_stays_correct(store_llm, reference
     assert path.is_file()
     corrupt(path)
     _fresh_device_cache(llm)
-    before = llm.get_metrics()["store_hit_tokens"]
+    before = llm.get_metrics().store_hit_tokens
     with caplog.at_level(logging.WARNING, logger="kvmemo.connector.disk"):
         out = _generate(llm)
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
     assert "treat" in caplog.text or "miss" in caplog.text
-    hit = llm.get_metrics()["store_hit_tokens"] - before
+    hit = llm.get_metrics().store_hit_tokens - before
     assert hit == bad_index * BLOCK  # only the blocks before the bad one are loaded
     assert out.metrics.num_cached_tokens == bad_index * BLOCK
 
@@ -184,7 +184,7 @@ def test_read_only_store_warns_once_and_serves(store_llm, reference, tmp_path, c
                 out = _generate(llm)
                 assert out.outputs[0].token_ids == reference.outputs[0].token_ids
         assert sum("saving paused" in r.getMessage() for r in caplog.records) == 1
-        assert llm.get_metrics()["store_saves_dropped"] > 0
+        assert llm.get_metrics().store_saves_dropped > 0
         assert not list(tmp_path.rglob("*.kvb"))
     finally:
         connector.store = original
@@ -219,24 +219,13 @@ def test_chunked_prefill_after_store_hit_and_event_fan_out(tmp_path, store_llm, 
     n = out.metrics.num_prompt_tokens
     # The new text may retokenize the prompt's last block; every block before it is a hit.
     assert again.metrics.num_cached_tokens >= (n - 1) // BLOCK * BLOCK - BLOCK
-    assert llm.get_metrics()["store_hit_tokens"] == again.metrics.num_cached_tokens
+    assert llm.get_metrics().store_hit_tokens == again.metrics.num_cached_tokens
     llm.engine.kv_manager.check_invariants()
 
 
 def _block_hashes(llm, prompt) -> list[BlockHash]:
-    from kvmemo.request import Request
-    from kvmemo.sampling import SamplingParams
-
     ids = llm.engine.processor.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-    request = Request(
-        request_id="probe",
-        prompt_token_ids=ids,
-        sampling_params=SamplingParams(),
-        cache_salt=None,
-        eos_token_ids=frozenset(),
-    )
-    llm.engine.hasher.extend(request)
-    return list(request.block_hashes)
+    return llm.engine.hasher.hash_prompt(ids)
 
 
 def test_concurrent_requests_read_a_stored_prefix_once(store_llm, reference):
@@ -253,7 +242,7 @@ def test_concurrent_requests_read_a_stored_prefix_once(store_llm, reference):
     outs = store_llm.generate(prompts, params, use_tqdm=False)
     after = store_llm.get_metrics()
     prefix_blocks = (reference.metrics.num_prompt_tokens - 1) // BLOCK
-    read_blocks = (after["store_hit_tokens"] - before["store_hit_tokens"]) // BLOCK
+    read_blocks = (after.store_hit_tokens - before.store_hit_tokens) // BLOCK
     assert prefix_blocks - 1 <= read_blocks <= prefix_blocks  # once, not once per request
     assert all(o.metrics.num_cached_tokens >= (prefix_blocks - 1) * BLOCK for o in outs)
     alone = [store_llm.generate([p], params, use_tqdm=False)[0] for p in prompts]

@@ -40,8 +40,8 @@ def _request(num_tokens: int, hasher: RequestHasher, rid: str = "r") -> Request:
         sampling_params=SamplingParams(),
         cache_salt=None,
         eos_token_ids=frozenset(),
+        hasher=hasher,
     )
-    hasher.extend(request)
     return request
 
 
@@ -106,8 +106,8 @@ def test_save_then_load_round_trips_every_layer(setup):
     dst = _cache()
     loader = StoreKVConnector(store, namespace, BS)
     loader.register_kv_caches(dst)
-    num_tokens, is_async = loader.get_num_new_matched_tokens(request, 0)
-    assert (num_tokens, is_async) == (12, False)
+    num_tokens = loader.get_num_new_matched_tokens(request, 0)
+    assert num_tokens == 12
     loader.update_state_after_alloc(request, [1, 3, 4, 6], num_tokens)
     metadata = loader.build_connector_meta()
     assert [load.block_id for load in metadata.loads] == [1, 3, 4]
@@ -127,9 +127,9 @@ def test_match_leaves_the_last_token_and_starts_at_the_block_boundary(setup):
     request = _request(12, hasher)  # exactly 3 full blocks: the last one holds the last token
     connector.save_blocks(list(zip(request.block_hashes, [0, 1, 2])))
     connector.wait_for_save()
-    assert connector.get_num_new_matched_tokens(request, 0) == (8, False)
-    assert connector.get_num_new_matched_tokens(request, 6) == (4, False)  # from block 1 on
-    assert connector.get_num_new_matched_tokens(request, 8) == (0, False)
+    assert connector.get_num_new_matched_tokens(request, 0) == 8
+    assert connector.get_num_new_matched_tokens(request, 6) == 4  # from block 1 on
+    assert connector.get_num_new_matched_tokens(request, 8) == 0
 
 
 def test_match_stops_at_the_first_missing_block(setup):
@@ -139,7 +139,7 @@ def test_match_stops_at_the_first_missing_block(setup):
     request = _request(20, hasher)
     connector.save_blocks([(request.block_hashes[0], 0), (request.block_hashes[2], 2)])
     connector.wait_for_save()
-    assert connector.get_num_new_matched_tokens(request, 0) == (4, False)
+    assert connector.get_num_new_matched_tokens(request, 0) == 4
 
 
 def test_unconfirmed_match_is_dropped(setup):
@@ -149,7 +149,7 @@ def test_unconfirmed_match_is_dropped(setup):
     request = _request(9, hasher)
     connector.save_blocks([(request.block_hashes[0], 0)])
     connector.wait_for_save()
-    assert connector.get_num_new_matched_tokens(request, 0) == (4, False)
+    assert connector.get_num_new_matched_tokens(request, 0) == 4
     assert connector.build_connector_meta().loads == ()  # never allocated: nothing to load
     with pytest.raises(ValueError, match="num_external_tokens"):
         connector.update_state_after_alloc(request, [3], 4)
@@ -170,7 +170,7 @@ def test_bfloat16_and_fp8_pages_round_trip(tmp_path):
         connector.wait_for_save()
         dst = _cache(dtype)
         connector.register_kv_caches(dst)
-        n, _ = connector.get_num_new_matched_tokens(request, 0)
+        n = connector.get_num_new_matched_tokens(request, 0)
         connector.update_state_after_alloc(request, [2], n)
         connector.start_load_kv(connector.build_connector_meta())
         assert torch.equal(

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from kvmemo import LLM, SamplingParams
-from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.engine.beam_search import BeamSearchParams
+from kvmemo.engine import BeamSearchParams
 from kvmemo.kv.events import BlockStored
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS
 from tests.helpers import assert_all_blocks_free
@@ -88,25 +87,27 @@ def test_eos_ends_beams_early_like_hf(llm, hf_model, length_penalty, early_stopp
 
 
 def test_all_beams_of_all_requests_share_one_forward_per_step(llm, raw_prompt_ids, monkeypatch):
-    steps: list[tuple[list[str], list[int]]] = []
-    build = AttentionMetadata.build
+    steps: list[list[tuple[str, bool]]] = []  # per forward: (sequence id, returns a row)
+    runner = llm.engine.runner
+    execute = runner.execute
 
-    def recording_build(**kwargs):
-        metadata = build(**kwargs)
-        steps.append((metadata.request_ids, metadata.beam_indices))
-        return metadata
+    def recording_execute(output):
+        if output.sequences:
+            steps.append([(s.request_id, s.return_logprobs_row) for s in output.sequences])
+        return execute(output)
 
-    monkeypatch.setattr(AttentionMetadata, "build", staticmethod(recording_build))
+    monkeypatch.setattr(runner, "execute", recording_execute)
     num_steps_before = llm.engine.num_steps
     outs = llm.beam_search(raw_prompt_ids[:2], beam_width=3, max_tokens=4, use_tqdm=False)
     assert len(steps) == llm.engine.num_steps - num_steps_before  # one forward per step
-    # After the prompts' step, every step carries each request's 3 beams, in beam order.
-    prefill_ids, prefill_beams = steps[0]
-    assert sorted(prefill_ids) == sorted(o.request_id for o in outs) and prefill_beams == [0, 0]
-    for request_ids, beam_indices in steps[1:]:
-        assert sorted(zip(request_ids, beam_indices)) == sorted(
-            (o.request_id, b) for o in outs for b in range(3)
-        )
+    # Every sequence of a search returns log-probabilities, never a sampled token.
+    assert all(row for step in steps for _, row in step)
+    # The prompts' step, then every step carries each request's 3 beams (forks of its root).
+    assert sorted(rid for rid, _ in steps[0]) == sorted(o.request_id for o in outs)
+    for step in steps[1:]:
+        roots = sorted(rid.split("#beam")[0] for rid, _ in step)
+        assert roots == sorted(o.request_id for o in outs for _ in range(3))
+        assert len({rid for rid, _ in step}) == 6  # six distinct beams
     assert len(steps) == 4  # the prompts, then one step per further token
     assert_all_blocks_free(llm)
 
@@ -145,7 +146,7 @@ def test_preempted_beam_search_restarts_and_gives_the_same_beams(llm, raw_prompt
     expected = llm.beam_search(raw_prompt_ids, beam_width=2, max_tokens=12, use_tqdm=False)
     small = LLM(num_blocks=14, block_size=8)
     got = small.beam_search(raw_prompt_ids, beam_width=2, max_tokens=12, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.get_metrics().num_preemptions > 0
     for a, b in zip(got, expected):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert_all_blocks_free(small)
@@ -156,8 +157,10 @@ def test_beam_search_runs_beside_sampled_requests(llm, raw_prompt_ids):
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     alone = llm.generate([raw_prompt_ids[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     expected = llm.beam_search(raw_prompt_ids[1], beam_width=2, max_tokens=5, use_tqdm=False)[0]
-    engine.add_request(raw_prompt_ids[0], greedy, request_id="mixed-greedy")
-    engine.add_beam_request(raw_prompt_ids[1], BeamSearchParams(2, 5), request_id="mixed-beam")
+    engine.add_request("mixed-greedy", engine.processor.process(raw_prompt_ids[0]), greedy)
+    engine.add_beam_request(
+        "mixed-beam", engine.processor.process(raw_prompt_ids[1]), BeamSearchParams(2, 5)
+    )
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -171,7 +174,8 @@ def test_beam_search_runs_beside_sampled_requests(llm, raw_prompt_ids):
 
 def test_abort_frees_every_beam(llm, raw_prompt_ids):
     engine = llm.engine
-    engine.add_beam_request(raw_prompt_ids[0], BeamSearchParams(3, 20), request_id="to-abort")
+    prompt = engine.processor.process(raw_prompt_ids[0])
+    engine.add_beam_request("to-abort", prompt, BeamSearchParams(3, 20))
     for _ in range(4):
         engine.step()
     assert engine.kv_manager.num_free_blocks < engine.kv_manager.num_blocks

@@ -44,7 +44,7 @@ def test_sixteen_requests_sharing_a_system_prompt(llm, cold):
     assert tokens(warm) == tokens(cold.chat(conversations(), GREEDY, use_tqdm=False))
     # The first request computes the system prompt; later ones hit its blocks.
     assert sum(o.metrics.num_cached_tokens for o in warm) > 10 * 16
-    assert llm.get_metrics()["prefix_cache_hits_tokens"] > 0
+    assert llm.get_metrics().prefix_cache_hits_tokens > 0
 
 
 def test_four_turn_conversation_reuses_earlier_answers(llm, cold):
@@ -71,7 +71,7 @@ def _run_staggered(engine_llm, prompts_ids, params, steps_between):
     engine = engine_llm.engine
     finished = {}
     for i, ids in enumerate(prompts_ids):
-        engine.add_request(ids, params, request_id=f"s{i}")
+        engine.add_request(f"s{i}", engine.processor.process(ids), params)
         for _ in range(steps_between):
             for out in engine.step():
                 if out.finished:
@@ -101,7 +101,7 @@ def test_small_cache_forces_evictions_and_output_stays_identical(cold):
     for i, conversation in enumerate(conversations()[:8]):
         ref += cold.chat([conversation[1]] if i % 2 else conversation, GREEDY, use_tqdm=False)
     assert tokens(outs) == tokens(ref)
-    assert small.get_metrics()["prefix_cache_evicted_blocks"] > 0
+    assert small.get_metrics().prefix_cache_evicted_blocks > 0
     assert_all_blocks_free(small)
 
 
@@ -120,7 +120,8 @@ def test_generated_blocks_are_reusable_while_the_request_still_runs(llm, cold):
     engine = llm.engine
     block_size = engine.config.block_size
     prompt = engine.processor.encode_prompt("Write a long story about a lighthouse keeper and his cat.")
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True), request_id="A")
+    params_a = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    engine.add_request("A", engine.processor.process(prompt), params_a)
     request_a = engine.scheduler.requests["A"]
     # Decode until A's generated tokens fill the block holding the prompt's end plus two more.
     target = (len(prompt) // block_size + 3) * block_size
@@ -128,7 +129,7 @@ def test_generated_blocks_are_reusable_while_the_request_still_runs(llm, cold):
         engine.step()
     assert not request_a.is_finished
     b_ids = request_a.all_token_ids[:target]
-    engine.add_request(b_ids, GREEDY, request_id="B")
+    engine.add_request("B", engine.processor.process(b_ids), GREEDY)
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -150,7 +151,7 @@ def test_partial_block_is_reused_by_copy(llm, cold):
     b_ids = base[:cut] + llm.engine.processor.encode_prompt(" Totally different ending here.")
     b = llm.generate([b_ids], GREEDY, use_tqdm=False)[0]
     assert b.metrics.num_cached_tokens == cut  # two full blocks + half a block copied
-    assert llm.get_metrics()["prefix_cache_partial_hit_tokens"] >= block_size // 2
+    assert llm.get_metrics().prefix_cache_partial_hit_tokens >= block_size // 2
     assert b.outputs[0].token_ids == cold.generate([b_ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 

@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
-from kvmemo.kv.hashing import RequestHasher, namespace_root_hash
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.request import Request, RequestStatus
 from kvmemo.sampling import SamplingParams
+from tests.kv.kv_testing import make_hasher, make_layout
 
 BLOCK = 4
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16) -> Scheduler:
-    root = namespace_root_hash(weights_fingerprint="test", kv_cache_dtype="float32", block_size=BLOCK)
-    hasher = RequestHasher(root, BLOCK)
-    kv = KVCacheManager(num_blocks, BLOCK, hasher)
-    return Scheduler(SchedulerLimits(budget, max_seqs, 4096), kv, hasher)
+    kv = KVCacheManager(make_layout(num_blocks, BLOCK))
+    return Scheduler(SchedulerLimits(budget, max_seqs, 4096), kv)
 
 
 def request(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
-    return Request(rid, tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return Request(rid, tokens, params, hasher=make_hasher(BLOCK))
 
 
 def run_step(scheduler: Scheduler, token: int = 7):

@@ -33,7 +33,7 @@ def test_cache_too_small_for_all_requests_preempts_and_still_matches(reference):
     tight = LLM(num_blocks=30, enable_prefix_caching=False)
     outs = tight.generate(RAW_PROMPTS + [LONG_PROMPT], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    assert tight.get_metrics()["num_preemptions"] > 0, "the cache was meant to force preemption"
+    assert tight.get_metrics().num_preemptions > 0, "the cache was meant to force preemption"
     assert_all_blocks_free(tight)
 
 

@@ -49,12 +49,12 @@ def test_features_survive_eviction_in_the_step_that_needs_them(llm_on) -> None:
         llm_on.reset_prefix_cache()
         cache.clear()
         cache.capacity_bytes = 0
-        before = llm_on.get_metrics()["mm_encoder_images"]
+        before = llm_on.get_metrics().mm_encoder_images
         small = llm_on.generate(prompt, params, use_tqdm=False)[0]
         offset = small.prompt_token_ids.index(llm_on.engine.processor.image_input.image_token_id)
         budget = llm_on.config.max_num_batched_tokens
         assert offset < budget < offset + NUM_IMAGE_TOKENS  # the first chunk ends inside the image
-        assert llm_on.get_metrics()["mm_encoder_images"] - before == 2  # so it is encoded twice
+        assert llm_on.get_metrics().mm_encoder_images - before == 2  # so it is encoded twice
     finally:
         cache.capacity_bytes = saved
     llm_on.reset_prefix_cache()

@@ -24,7 +24,7 @@ def _run(llm, prompt, images):
 
 
 def _encoded(llm) -> int:
-    return llm.get_metrics()["mm_encoder_images"]
+    return llm.get_metrics().mm_encoder_images
 
 
 def test_same_image_and_text_is_fully_reused(llm_on, llm_off) -> None:
@@ -128,9 +128,9 @@ def test_fully_cached_image_is_not_encoded_again(llm_on) -> None:
     third = _run(llm_on, prompt, [picture(501)])
     assert _encoded(llm_on) == before + 2
     # A KV miss with the features cached: served by the encoder cache, not the encoder.
-    hits = llm_on.get_metrics()["mm_encoder_cache_hits"]
+    hits = llm_on.get_metrics().mm_encoder_cache_hits
     fourth = _run(llm_on, "Another prefix entirely. " + prompt, [picture(501)])
     assert _encoded(llm_on) == before + 2
-    assert llm_on.get_metrics()["mm_encoder_cache_hits"] > hits
+    assert llm_on.get_metrics().mm_encoder_cache_hits > hits
     assert third.outputs[0].token_ids == first.outputs[0].token_ids
     assert fourth.metrics.num_cached_tokens == 0

@@ -10,22 +10,23 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvmemo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvmemo.engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvmemo.engine.stats import EngineStats, KVInfo
+from kvmemo.intake.processor import ProcessedPrompt
 from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmemo.sampling import SamplingParams
 
 
 class _Processor:
-    def encode_prompt(self, prompt):
+    def process(self, prompt):
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
-            return [ord(c) for c in prompt]
-        return list(prompt)
+            return ProcessedPrompt([ord(c) for c in prompt], prompt)
+        return ProcessedPrompt(list(prompt))
 
-    def encode_chat(self, messages):
-        text = "".join(m["content"] for m in messages)
-        return text, self.encode_prompt(text)
+    def process_chat(self, messages):
+        return self.process("".join(m["content"] for m in messages))
 
 
 @dataclass
@@ -49,13 +50,21 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_on_step = fail_on_step
 
-    def add_request(self, prompt, params, *, request_id, cache_salt=None, prompt_text=None):
-        if len(prompt) > self.max_model_len:
-            raise ValueError("prompt is too long")
-        self.params[request_id] = self.added[request_id] = params
-        self.tokens[request_id] = []
-        self.scheduler.waiting.append(request_id)
-        return request_id
+    def add_requests(self, batch, *, cache_salt=None):
+        for request_id, prompt, params in batch:
+            if len(prompt.token_ids) > self.max_model_len:
+                raise ValueError("prompt is too long")
+        for request_id, prompt, params in batch:
+            self.params[request_id] = self.added[request_id] = params
+            self.tokens[request_id] = []
+            self.scheduler.waiting.append(request_id)
+
+    @property
+    def num_waiting(self):
+        return len(self.scheduler.waiting)
+
+    def kv_info(self):
+        return KVInfo("fake", b"root", 16, "sha256", 8, "float32")
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)
@@ -91,11 +100,10 @@ class FakeEngine:
                 self._drop(rid)
         return outputs
 
-    def get_metrics(self):
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-        }
+    def stats(self):
+        return EngineStats(
+            *(0,) * 2, len(self.scheduler.running), len(self.scheduler.waiting), *(0,) * 9
+        )
 
 
 async def _collect(stream):

@@ -17,7 +17,8 @@ class KvmemoRunner(EngineRunner):
 
     def submit(self, index: int, prompt_token_ids: list[int], max_tokens: int) -> None:
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.engine.add_request(list(prompt_token_ids), params, request_id=str(index))
+        prompt = self.engine.processor.process(list(prompt_token_ids))
+        self.engine.add_request(str(index), prompt, params)
 
     def step(self):
         return [(int(out.request_id), list(out.outputs[0].token_ids), out.finished,
@@ -26,7 +27,7 @@ class KvmemoRunner(EngineRunner):
 
 def make_runner(*, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None) -> KvmemoRunner:
     from kvmemo.config import EngineConfig
-    from kvmemo.engine.engine import Engine
+    from kvmemo.engine import Engine
 
     options = {"model": model, "enable_prefix_caching": prefix_caching, "num_threads": threads,
                "kv_store": kv_store}

@@ -39,7 +39,7 @@ def test_bytes_per_token_of_the_real_models_pool(fp8_llm):
 
 
 def test_startup_log_states_bytes_per_token_and_ratios(caplog):
-    with caplog.at_level(logging.INFO, logger="kvmemo.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="kvmemo.engine.kv_setup"):
         LLM(kv_cache_dtype="fp8_e4m3", num_blocks=4)
     line = next(r.getMessage() for r in caplog.records if "bytes/token" in r.getMessage())
     assert "(float8_e4m3fn): 0.25x float32, 0.50x bfloat16" in line

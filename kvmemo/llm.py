@@ -123,7 +123,8 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(prompts))
         groups: dict[str, tuple[int, int]] = {}  # sequence id -> (prompt index, sample index)
         batch: list[tuple[str, ProcessedPrompt, SamplingParams]] = []
-        for i, (prompt_id, prompt, p) in enumerate(zip(self._new_ids(len(prompts)), prompts, params)):
+        prompt_ids = self._new_ids(len(prompts))
+        for i, (prompt_id, prompt, p) in enumerate(zip(prompt_ids, prompts, params)):
             for j, sample in enumerate(p.per_sample()):
                 rid = f"{prompt_id}-{j}"
                 groups[rid] = (i, j)

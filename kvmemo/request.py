@@ -10,9 +10,9 @@ from __future__ import annotations
 import enum
 import time
 from bisect import bisect_right
-from operator import attrgetter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from kvmemo.sampling import SamplingParams

@@ -32,7 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs to return for each sampled position
 
     def __post_init__(self) -> None:
-        _check("n", isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        n = self.n
+        _check("n", isinstance(n, int) and n >= 1, f"n must be an integer >= 1, got {n!r}")
         _check(
             "max_tokens",
             isinstance(self.max_tokens, int) and self.max_tokens >= 1,

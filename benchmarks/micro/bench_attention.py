@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from benchmarks.machine_info import cpu_label
 from benchmarks.paths import RESULTS as RESULTS_DIR
-from kvmemo.attention.backend import PagedAttentionBackend
 from kvmemo.attention import paged
+from kvmemo.attention.backend import PagedAttentionBackend
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
 

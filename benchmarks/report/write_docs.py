@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+
 from benchmarks.paths import DOCS, NOTES, RESULTS
 from benchmarks.report.plot import load_results
 

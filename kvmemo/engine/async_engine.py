@@ -288,6 +288,7 @@ class AsyncEngine:
         if command.messages is not None:
             prompt = processor.process_chat(command.messages)
         else:
+            assert command.prompt is not None  # add_request takes exactly one of the two
             prompt = processor.process(command.prompt)
         if command.fill_context:
             room = self.max_model_len - len(prompt.token_ids)

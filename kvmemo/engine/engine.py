@@ -168,8 +168,10 @@ class Engine:
         added: list[str] = []
         try:
             for request_id, prompt, params in batch:
-                add = self.add_beam_request if isinstance(params, BeamSearchParams) else self.add_request
-                add(request_id, prompt, params, cache_salt=cache_salt)  # type: ignore[arg-type]
+                if isinstance(params, BeamSearchParams):
+                    self.add_beam_request(request_id, prompt, params, cache_salt=cache_salt)
+                else:
+                    self.add_request(request_id, prompt, params, cache_salt=cache_salt)
                 added.append(request_id)
         except Exception:
             for request_id in added:
@@ -270,6 +272,7 @@ class Engine:
                 request.first_token_time = now
             token = result.sampled[request.request_id]
             if tracked.logprobs is not None:
+                assert token.logprob is not None, "the sampler returns it when logprobs is set"
                 entry = dict(token.top_logprobs or {})
                 entry[token.token_id] = token.logprob
                 tracked.logprobs.append(entry)

@@ -21,6 +21,7 @@ from kvmemo.attention.cache import (
 )
 from kvmemo.attention.fp8 import calibrate_kv_scales, calibration_segments
 from kvmemo.config import EngineConfig
+from kvmemo.connector.store import BlockStore
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.connector.tiered import TieredStore
 from kvmemo.errors import InputError
@@ -106,7 +107,7 @@ def build_kv_connector(
     from kvmemo.connector.store_connector import namespace_for
 
     namespace = namespace_for(layout.namespace_root, Path(model_path).stem, kv_cache)
-    tiers = []
+    tiers: list[tuple[str, BlockStore]] = []
     for i, spec in enumerate(parse_kv_stores(config.kv_store)):
         names = {name for name, _ in tiers}
         name = spec.kind if spec.kind not in names else f"{spec.kind}{i}"
@@ -120,12 +121,12 @@ def build_kv_connector(
             from kvmemo.connector.disk import DiskStore
 
             assert spec.capacity_bytes is not None
-            store = DiskStore(spec.path, spec.capacity_bytes, namespace)
-            tiers.append((name, store))
+            disk = DiskStore(spec.path, spec.capacity_bytes, namespace)
+            tiers.append((name, disk))
             logger.info(
                 "KV store tier %s: %s (capacity %.1f GiB)",
-                name, store.dir, spec.capacity_bytes / 2**30,
+                name, disk.dir, spec.capacity_bytes / 2**30,
             )
     # One store is used as is (its own type stays visible); several become one TieredStore.
-    store = tiers[0][1] if len(tiers) == 1 else TieredStore(tiers)
+    store: BlockStore = tiers[0][1] if len(tiers) == 1 else TieredStore(tiers)
     return StoreKVConnector(store, namespace, layout.block_size)

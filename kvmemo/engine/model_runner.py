@@ -40,7 +40,9 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        # A Llama or LLaVA module: forward, compute_logits, embed_tokens, encode_images. Typed
+        # Any because torch types nn.Module attributes as Tensor | Module.
+        model: Any,
         kv_cache: PagedKVCache,
         sampler: Sampler,
         *,
@@ -76,7 +78,8 @@ class ModelRunner:
         positions: list[int] = []
         for seq in seqs:
             input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)))
+            start = seq.num_computed_tokens
+            positions.extend(range(start, start + len(seq.token_ids)))
         metadata = AttentionMetadata.build(
             block_tables=[s.block_table for s in seqs],
             num_computed_tokens=[s.num_computed_tokens for s in seqs],
@@ -95,7 +98,9 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(seqs) if s.needs_sample]
         if not sampling:
             return ModelRunnerOutput(sampled={})
-        last_rows = torch.tensor([metadata.query_start_loc[i + 1] - 1 for i in sampling], device=self.device)
+        last_rows = torch.tensor(
+            [metadata.query_start_loc[i + 1] - 1 for i in sampling], device=self.device
+        )
         logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float()  # [N, vocab]
         if self.capture_logits:
             self.last_logits = logits.clone()
@@ -169,7 +174,9 @@ class ModelRunner:
     def _attention_fn(self, metadata: AttentionMetadata):
         backend, kv_cache = self.attention_backend, self.kv_cache
 
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attention(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
             return backend.forward(layer, q, k, v, kv_cache, metadata)  # writes K/V, then attends
 
         return attention

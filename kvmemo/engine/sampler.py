@@ -58,8 +58,11 @@ class Sampler:
         if any(p.top_k > 0 for p in params):
             vocab = logits.shape[-1]
             # top_k beyond the vocabulary means no cut (and would overflow an int64 tensor).
-            k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-            kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=vocab - 1)[:, None])
+            k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device
+            )
+            ranked = torch.sort(logits, dim=-1, descending=True).values
+            kth = ranked.gather(1, (k - 1).clamp(max=vocab - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):

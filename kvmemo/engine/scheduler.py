@@ -192,7 +192,9 @@ class Scheduler:
             for r, n in scheduled
         ]
         copies = [(c.src_block_id, c.dst_block_id, c.num_tokens) for c in self.kv.take_copies()]
-        connector_metadata = self.connector.build_connector_meta() if self.connector is not None else None
+        connector_metadata = (
+            self.connector.build_connector_meta() if self.connector is not None else None
+        )
         return SchedulerOutput(
             sequences=sequences,
             block_copies=copies,
@@ -214,7 +216,9 @@ class Scheduler:
             for h in self._uncomputed_block_hashes(r)
         }
 
-    def _next_block_in_flight(self, request: Request, num_cached_tokens: int, in_flight: set[BlockHash]) -> bool:
+    def _next_block_in_flight(
+        self, request: Request, num_cached_tokens: int, in_flight: set[BlockHash]
+    ) -> bool:
         """True when another request is computing this request's next block right now.
 
         Computing it twice in one step would waste the work the prefix cache exists to save;
@@ -235,7 +239,9 @@ class Scheduler:
             return
         ordered = sorted(
             self.waiting,
-            key=lambda r: (r.status != RequestStatus.PREEMPTED, -self.kv.get_computed_blocks(r).num_tokens),
+            key=lambda r: (
+                r.status != RequestStatus.PREEMPTED, -self.kv.get_computed_blocks(r).num_tokens
+            ),
         )
         self.waiting = deque(ordered)
 
@@ -283,7 +289,10 @@ class Scheduler:
         elif token in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+        elif (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.limits.max_model_len
+        ):
             request.status = RequestStatus.FINISHED_LENGTH
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:

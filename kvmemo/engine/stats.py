@@ -55,7 +55,9 @@ class EngineStats:
     def as_dict(self) -> dict[str, float | int]:
         """Flat name -> number (JSON output, logs); tier counters as store_tier_<name>_<key>."""
         flat: dict[str, float | int] = {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "store_tiers"
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "store_tiers"
         }
         for tier in self.store_tiers:
             flat[f"store_tier_{tier.name}_served_blocks"] = tier.served_blocks

@@ -171,7 +171,9 @@ class InputProcessor:
                 )
         return list(prompt)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         validate_messages(messages)
         kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
         return self.tokenizer.apply_chat_template(

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvmemo import SamplingParams
-from tests.helpers import assert_all_blocks_free
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS
+from tests.helpers import assert_all_blocks_free
 
 pytestmark = pytest.mark.model
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cascade import (
     cascade_attention,
     cascade_prefix_blocks,
     contiguous_run_start,
     merge_attention_states,
 )
-from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cpu_kernel import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace

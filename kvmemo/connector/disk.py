@@ -20,8 +20,8 @@ from pathlib import Path
 from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
-    StoreNamespace,
     StatsCounter,
+    StoreNamespace,
     StoreStats,
     decode_block_checked,
     encode_block,

@@ -23,8 +23,8 @@ from redis.retry import Retry
 from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
-    StoreNamespace,
     StatsCounter,
+    StoreNamespace,
     StoreStats,
     decode_block_checked,
     encode_block,

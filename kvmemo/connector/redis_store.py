@@ -1,4 +1,6 @@
-"""RedisStore: blocks as Redis values under "<prefix>:<namespace dir>:<hash hex>", shared by replicas.
+"""RedisStore: blocks as Redis values under "<prefix>:<namespace dir>:<hash hex>".
+
+The values are shared by replicas.
 
 Invariant: a value is served only if it decodes under this namespace and block hash (else a miss,
 deleted); a lost connection is misses and one warning per outage, never an exception, and no call

@@ -131,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        # [T, hidden]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # each [T, 1, D/2]
         for layer_idx, layer in enumerate(self.layers):
             hidden = layer(layer_idx, hidden, cos, sin, attention)

@@ -131,7 +131,9 @@ def load_model(
             state_dict, arch_config = load_safetensors_dir(resolved)
 
     if image_input is None:
-        model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)
+        model = LlamaForCausalLM.from_state_dict(
+            arch_config, state_dict, dtype=dtype, device=device
+        )
     logger.info(
         "loaded %s (%s, %.1fM params, %s) in %.2f s",
         resolved,

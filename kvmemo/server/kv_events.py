@@ -98,7 +98,8 @@ def decode_batch(data: bytes) -> EventBatch:
         epoch = raw["epoch"]
         if not isinstance(epoch, str):
             raise ValueError(f"epoch must be a string, got {epoch!r}")
-        return EventBatch(epoch, seq, float(raw["ts"]), tuple(_event_from_wire(e) for e in raw["events"]))
+        events = tuple(_event_from_wire(e) for e in raw["events"])
+        return EventBatch(epoch, seq, float(raw["ts"]), events)
     except (KeyError, TypeError, msgpack.UnpackException, ValueError) as exc:
         raise ValueError(f"malformed KV event message: {exc}") from None
 

@@ -81,7 +81,8 @@ class ServerMetrics:
 
         tier_hits = Gauge(
             "kvmemo_store_tier_served_blocks",
-            "Blocks each KV store tier served (cumulative; the first tier holding a block serves it)",
+            "Blocks each KV store tier served "
+            "(cumulative; the first tier holding a block serves it)",
             ["tier"],
             registry=r,
         )

@@ -67,10 +67,14 @@ class _Metrics:
             registry=r,
         )
         self.retries = Counter(
-            "kvmemo_router_retries", "Requests re-sent after a replica failed to connect", registry=r
+            "kvmemo_router_retries",
+            "Requests re-sent after a replica failed to connect",
+            registry=r,
         )
         per_replica = {
-            "kvmemo_router_replica_healthy": ("1 if the last health check passed", lambda x: x.healthy),
+            "kvmemo_router_replica_healthy": (
+                "1 if the last health check passed", lambda x: x.healthy
+            ),
             "kvmemo_router_replica_in_flight": ("Requests in flight", lambda x: x.in_flight),
             "kvmemo_router_replica_cached_blocks": (
                 "Block hashes the router believes the replica holds", lambda x: len(x.index.hashes)
@@ -182,7 +186,9 @@ class Router:
                               name=replica.url)
             )
         else:
-            logger.warning("replica %s publishes no KV events; routing it by load only", replica.url)
+            logger.warning(
+                "replica %s publishes no KV events; routing it by load only", replica.url
+            )
         return True
 
     async def _snapshot(self, replica: Replica) -> tuple[str, int, list[bytes]]:
@@ -191,7 +197,9 @@ class Router:
 
     # ---- proxying --------------------------------------------------------------------------
 
-    def route(self, path: str, body: dict[str, Any] | None, exclude: set[int]) -> tuple[int, list[BlockHash]]:
+    def route(
+        self, path: str, body: dict[str, Any] | None, exclude: set[int]
+    ) -> tuple[int, list[BlockHash]]:
         """(replica index, prompt block hashes); raises ValueError if no replica is up."""
         hashes = self.hasher.block_hashes(path, body) if self.hasher and body is not None else []
         candidates = [
@@ -235,7 +243,9 @@ class Router:
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
                 replica.healthy = False
-                logger.warning("replica %s failed (%s); marked down, trying another", replica.url, exc)
+                logger.warning(
+                    "replica %s failed (%s); marked down, trying another", replica.url, exc
+                )
                 self.metrics.retries.inc()
                 tried.add(index)
                 continue
@@ -349,6 +359,8 @@ def run_router(
     tokenizer, template, fingerprint = load_tokenizer(model)
     router = Router(replica_urls, tokenizer, template, fingerprint, policy=routing,
                     health_interval_s=health_interval_s)
-    logger.info("routing %s over %d replicas on http://%s:%d/v1", policy, len(replica_urls), host, port)
+    logger.info(
+        "routing %s over %d replicas on http://%s:%d/v1", policy, len(replica_urls), host, port
+    )
     uvicorn.run(create_router_app(router), host=host, port=port, log_level="warning",
                 access_log=False)

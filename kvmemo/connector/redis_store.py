@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -173,7 +174,9 @@ class RedisStore:
             self._count(num_misses=len(keys))
             return [None] * len(keys)
         try:
-            values = self._client.mget(keys)
+            # The client is built without decode_responses, so values are raw bytes (or None),
+            # never the str the stubs also allow.
+            values = cast("list[bytes | None]", self._client.mget(keys))
         except _OUTAGE_ERRORS as exc:
             self._failed(exc)
             self._count(num_misses=len(keys))

@@ -310,9 +310,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         conversation.append({"role": "assistant", "content": reply})
         print(f"assistant> {reply}")
         m = out.metrics
+        ttft = "" if m.ttft_s is None else f", ttft {m.ttft_s * 1000:.0f} ms"
         print(
-            f"[{m.num_prompt_tokens} prompt tokens, {m.num_cached_tokens} cached, "
-            f"ttft {m.ttft_s * 1000:.0f} ms]",
+            f"[{m.num_prompt_tokens} prompt tokens, {m.num_cached_tokens} cached{ttft}]",
             file=sys.stderr,
         )
 

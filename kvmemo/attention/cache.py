@@ -93,12 +93,13 @@ class PagedKVCache:
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         cache = cls(k_pages=k, v_pages=v, block_size=block_size)
         if dtype == FP8_DTYPE:  # the identity transform until calibrated (see fp8.py)
-            f32 = dict(dtype=torch.float32, device=device)
-            cache.k_scales = torch.ones(num_layers, num_kv_heads, **f32)
-            cache.v_scales = torch.ones(num_layers, num_kv_heads, **f32)
-            cache.k_offsets = torch.zeros(num_layers, num_kv_heads, head_dim, **f32)
-            cache.v_offsets = torch.zeros(num_layers, num_kv_heads, head_dim, **f32)
-            cache.rotation = torch.eye(head_dim, **f32)
+            f32 = torch.float32
+            cache.k_scales = torch.ones(num_layers, num_kv_heads, dtype=f32, device=device)
+            cache.v_scales = torch.ones(num_layers, num_kv_heads, dtype=f32, device=device)
+            offsets_shape = (num_layers, num_kv_heads, head_dim)
+            cache.k_offsets = torch.zeros(offsets_shape, dtype=f32, device=device)
+            cache.v_offsets = torch.zeros(offsets_shape, dtype=f32, device=device)
+            cache.rotation = torch.eye(head_dim, dtype=f32, device=device)
         return cache
 
     def logical_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

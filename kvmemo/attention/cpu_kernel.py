@@ -8,6 +8,7 @@ which computes the same values.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -30,7 +31,7 @@ class DecodeKernel:
     """The loaded shared object and where it came from."""
 
     path: Path
-    fn: ctypes._CFuncPtr
+    fn: Callable[..., int]  # the ctypes function pointer; returns a status code
 
     def supports(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
         """True when this kernel can run the shapes, dtypes and layout (else use the torch path)."""

@@ -155,6 +155,7 @@ def paged_attention_pages(
     out = torch.empty_like(q)
     if plan.decode_seqs:
         rows = plan.decode_rows
+        assert rows is not None  # None only when the whole batch decodes, handled above
         out[rows] = decode_attention(
             q.index_select(0, rows), k_pages, v_pages, plan, scale, workspace
         )

@@ -7,6 +7,7 @@ injected attention callable, which owns both. Projections are fused (qkv, gate_u
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -189,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         if not self.config.tie_word_embeddings:
             plan.append(("lm_head.weight", ["lm_head.weight"]))
-        for i, layer in enumerate(self.layers):
+        # nn.ModuleList is typed as holding Modules; self.layers holds DecoderLayers only.
+        for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
             ours, p = f"layers.{i}.", f"model.layers.{i}."
             qkv = [f"{p}self_attn.{proj}_proj" for proj in ("q", "k", "v")]
             gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]

@@ -109,6 +109,7 @@ def load_model(
     from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 
     image_input: ImageInputSpec | None = None
+    model: LlamaForCausalLM | LlavaForConditionalGeneration
 
     if resolved.is_file():
         if resolved.suffix != ".gguf":

@@ -64,7 +64,7 @@ def _event_from_wire(item: dict[str, Any]) -> KVEvent:
             parent_block_hash=None if parent is None else BlockHash(parent),
             token_ids=tuple(item["token_ids"]),
             block_size=item["block_size"],
-            extra_keys=tuple(tuple(key) for key in item["extra_keys"]),  # type: ignore[misc]
+            extra_keys=tuple(tuple(key) for key in item["extra_keys"]),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=tuple(BlockHash(h) for h in item["block_hashes"]))

@@ -10,8 +10,10 @@ bytes, untouched.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +73,7 @@ class _Metrics:
             "Requests re-sent after a replica failed to connect",
             registry=r,
         )
-        per_replica = {
+        per_replica: dict[str, tuple[str, Callable[[Replica], float]]] = {
             "kvmemo_router_replica_healthy": (
                 "1 if the last health check passed", lambda x: x.healthy
             ),
@@ -89,7 +91,11 @@ class _Metrics:
         for name, (doc, read) in per_replica.items():
             gauge = Gauge(name, doc, ["replica"], registry=r)
             for replica in router.replicas:
-                gauge.labels(replica.url).set_function(lambda x=replica, f=read: float(f(x)))
+                gauge.labels(replica.url).set_function(functools.partial(_read, read, replica))
+
+
+def _read(read: Callable[[Replica], float], replica: Replica) -> float:
+    return float(read(replica))
 
 
 class Router:
@@ -182,8 +188,8 @@ class Router:
         if endpoint:
             endpoint = _reachable(endpoint, replica.url)
             replica.events_task = asyncio.create_task(
-                follow_events(endpoint, replica.index, lambda r=replica: self._snapshot(r),
-                              name=replica.url)
+                follow_events(endpoint, replica.index,
+                              functools.partial(self._snapshot, replica), name=replica.url)
             )
         else:
             logger.warning(

@@ -42,7 +42,10 @@ def main() -> None:
     print(f"engine ready in {time.perf_counter() - started:.1f} s\n")
     params = SamplingParams(temperature=0.0, max_tokens=48)
     for question in QUESTIONS:
-        conversation = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        conversation = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
         out = llm.chat(conversation, params, use_tqdm=False)[0]
         m = out.metrics
         print(f"Q: {question}")
@@ -53,7 +56,8 @@ def main() -> None:
         )
     metrics = llm.get_metrics()
     print(
-        f"prefix cache: {metrics.prefix_cache_hits_tokens} of {metrics.prefix_cache_queries_tokens} "
+        f"prefix cache: {metrics.prefix_cache_hits_tokens} of "
+        f"{metrics.prefix_cache_queries_tokens} "
         f"prompt tokens reused (hit rate {metrics.prefix_cache_hit_rate:.0%})"
     )
 

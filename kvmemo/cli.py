@@ -14,19 +14,53 @@ from typing import Any
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or HF safetensors directory (default: bundled SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument(
+        "--model", default=None,
+        help="a .gguf file or HF safetensors directory "
+        "(default: bundled SmolLM2-135M-Instruct Q4_1)",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
-    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size, e.g. 2GiB (default: 2GiB)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument(
+        "--dtype", default="float32",
+        help="float32, bfloat16 or float16 (default: float32)",
+    )
+    g.add_argument(
+        "--kv-cache-memory", default="2GiB",
+        help="KV pool size, e.g. 2GiB (default: 2GiB)",
+    )
+    g.add_argument(
+        "--num-blocks", type=int, default=None,
+        help="KV pool size in blocks (overrides --kv-cache-memory)",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16 or fp8_e4m3 (1 byte per value, calibrated per-head offsets and scales)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default: 2048)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default: 64)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    g.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="auto, float32, bfloat16, float16 or fp8_e4m3 (1 byte per value, calibrated per-head "
+        "offsets and scales)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget per step (default: 2048)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=64,
+        help="sequences per step at most (default: 64)",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="context length cap (default: the model's)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--no-partial-reuse", action="store_true", help="do not copy partially filled matching blocks")
-    g.add_argument("--kv-store", action="append", default=None, help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB or redis://host:6379/0?timeout=0.5; repeat it for tiers, looked up in the order given and saved to all (default: off)")
+    g.add_argument(
+        "--no-partial-reuse", action="store_true",
+        help="do not copy partially filled matching blocks",
+    )
+    g.add_argument(
+        "--kv-store", action="append", default=None,
+        help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB or "
+        "redis://host:6379/0?timeout=0.5; repeat it for tiers, looked up in the order given and "
+        "saved to all (default: off)",
+    )
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 
@@ -36,7 +70,10 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
-    g.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    g.add_argument(
+        "--seed", type=int, default=None,
+        help="per-request seed for reproducible sampling",
+    )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -72,41 +109,97 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmemo", description="kvmemo: LLM inference that reuses every KV block it can.")
+    parser = argparse.ArgumentParser(
+        prog="kvmemo",
+        description="kvmemo: LLM inference that reuses every KV block it can.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--chat", action="store_true",
+        help="wrap the prompt in the model's chat template",
+    )
     gen.add_argument(
         "--image", action="append", default=None, metavar="PATH",
         help="an image file for a LLaVA-style model (repeatable); the prompt's <image> markers "
         "place them, or they go first when it has none",
     )
-    gen.add_argument("--json", action="store_true", help="print a JSON object with text, tokens and metrics")
-    gen.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams (HF semantics, greedy); prints every beam, best first (default: off)")
+    gen.add_argument(
+        "--json", action="store_true",
+        help="print a JSON object with text, tokens and metrics",
+    )
+    gen.add_argument(
+        "--beam-width", type=int, default=None,
+        help="beam search with this many beams (HF semantics, greedy); prints every beam, best "
+        "first (default: off)",
+    )
     _add_sampling_flags(gen)
     _add_engine_flags(gen)
-    chat = sub.add_parser("chat", help="interactive multi-turn chat (the conversation's KV is reused every turn)")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive multi-turn chat (the conversation's KV is reused every turn)",
+    )
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_flags(chat)
     _add_engine_flags(chat)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (needs the `serve` extra)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server (needs the `serve` extra)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    serve.add_argument("--max-waiting", type=int, default=256, help="waiting sequences before 503 (default: 256)")
-    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's stem)")
-    serve.add_argument("--kv-events-endpoint", default=None, help="publish KV events (ZeroMQ PUB, msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557, for `kvmemo router` (default: off)")
+    serve.add_argument(
+        "--api-key", default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes",
+    )
+    serve.add_argument(
+        "--max-waiting", type=int, default=256,
+        help="waiting sequences before 503 (default: 256)",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None,
+        help="model name clients send (default: the model file's stem)",
+    )
+    serve.add_argument(
+        "--kv-events-endpoint", default=None,
+        help="publish KV events (ZeroMQ PUB, msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557, "
+        "for `kvmemo router` (default: off)",
+    )
     _add_engine_flags(serve)
-    router = sub.add_parser("router", help="route OpenAI requests to the replica holding the longest cached prefix (needs the `scale` extra)")
-    router.add_argument("--replica", action="append", required=True, help="a `kvmemo serve` replica's URL, e.g. http://10.0.0.2:8000 (repeat per replica)")
+    router = sub.add_parser(
+        "router",
+        help="route OpenAI requests to the replica holding the longest cached prefix "
+        "(needs the `scale` extra)",
+    )
+    router.add_argument(
+        "--replica", action="append", required=True,
+        help="a `kvmemo serve` replica's URL, e.g. http://10.0.0.2:8000 (repeat per replica)",
+    )
     router.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     router.add_argument("--port", type=int, default=8080, help="port to bind (default: 8080)")
-    router.add_argument("--model", default=None, help="the replicas' model (.gguf or HF directory), for its tokenizer only (default: bundled SmolLM2)")
-    router.add_argument("--policy", default="prefix", help="prefix (longest cached prefix, else least loaded) or round_robin (default: prefix)")
-    router.add_argument("--balance-threshold", type=int, default=4, help="send a prefix hit elsewhere when its replica has this many more requests in flight than the least loaded (default: 4)")
-    router.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (default: 1)")
-    router.add_argument("-v", "--verbose", action="store_true", help="log routing details to stderr")
+    router.add_argument(
+        "--model", default=None,
+        help="the replicas' model (.gguf or HF directory), for its tokenizer only "
+        "(default: bundled SmolLM2)",
+    )
+    router.add_argument(
+        "--policy", default="prefix",
+        help="prefix (longest cached prefix, else least loaded) or round_robin (default: prefix)",
+    )
+    router.add_argument(
+        "--balance-threshold", type=int, default=4,
+        help="send a prefix hit elsewhere when its replica has this many more requests in flight "
+        "than the least loaded (default: 4)",
+    )
+    router.add_argument(
+        "--health-interval", type=float, default=1.0,
+        help="seconds between health checks (default: 1)",
+    )
+    router.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="log routing details to stderr",
+    )
     return parser
 
 
@@ -123,7 +216,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         content: Any = args.prompt
         if images:  # the images first, then the question (LLaVA's training layout)
-            content = [*({"type": "image", "image": path} for path in images), {"type": "text", "text": args.prompt}]
+            content = [
+                *({"type": "image", "image": path} for path in images),
+                {"type": "text", "text": args.prompt},
+            ]
         out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
     elif images:
         spec = llm.processor.image_input
@@ -153,8 +249,11 @@ def _cmd_beam_search(args: argparse.Namespace, params) -> int:
     from kvmemo.engine import BeamSearchParams
     from kvmemo.llm import LLM
 
-    if not params.is_greedy or params.top_p < 1.0 or params.top_k or params.seed is not None or params.stop:
-        raise ValueError("--beam-width is deterministic: drop --temperature, --top-p, --top-k, --seed and --stop")
+    if (not params.is_greedy or params.top_p < 1.0 or params.top_k
+            or params.seed is not None or params.stop):
+        raise ValueError(
+            "--beam-width is deterministic: drop --temperature, --top-p, --top-k, --seed and --stop"
+        )
     BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)  # fail before loading
     llm = LLM(args.model, **_engine_options(args))
     prompt = (
@@ -162,15 +261,18 @@ def _cmd_beam_search(args: argparse.Namespace, params) -> int:
         if args.chat
         else args.prompt
     )
-    out = llm.beam_search(prompt, beam_width=args.beam_width, max_tokens=args.max_tokens, use_tqdm=False)[0]
+    out = llm.beam_search(
+        prompt, beam_width=args.beam_width, max_tokens=args.max_tokens, use_tqdm=False
+    )[0]
     beams = [
-        {"text": c.text, "token_ids": c.token_ids, "score": c.score, "cumulative_logprob": c.cumulative_logprob,
-         "finish_reason": c.finish_reason}
+        {"text": c.text, "token_ids": c.token_ids, "score": c.score,
+         "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason}
         for c in out.outputs
     ]
     if args.json:
         print(json.dumps({"beams": beams, "prompt_tokens": out.metrics.num_prompt_tokens,
-                          "cached_prompt_tokens": out.metrics.num_cached_tokens, "latency_s": out.metrics.latency_s}))
+                          "cached_prompt_tokens": out.metrics.num_cached_tokens,
+                          "latency_s": out.metrics.latency_s}))
     else:
         for i, beam in enumerate(beams):
             print(f"[beam {i}, score {beam['score']:.4f}] {beam['text']}")
@@ -185,7 +287,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     conversation: list[dict[str, str]] = []
     if args.system:
         conversation.append({"role": "system", "content": args.system})
-    print("kvmemo chat: type a message, /reset to start over, /exit or Ctrl-D to quit.", file=sys.stderr)
+    print(
+        "kvmemo chat: type a message, /reset to start over, /exit or Ctrl-D to quit.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("you> ").strip()
@@ -205,7 +310,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         conversation.append({"role": "assistant", "content": reply})
         print(f"assistant> {reply}")
         m = out.metrics
-        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_cached_tokens} cached, ttft {m.ttft_s * 1000:.0f} ms]", file=sys.stderr)
+        ttft = "" if m.ttft_s is None else f", ttft {m.ttft_s * 1000:.0f} ms"
+        print(
+            f"[{m.num_prompt_tokens} prompt tokens, {m.num_cached_tokens} cached{ttft}]",
+            file=sys.stderr,
+        )
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -20,7 +20,10 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that shapes one engine instance. `EngineConfig.from_kwargs` rejects unknown keys."""
+    """Everything that shapes one engine instance.
+
+    `EngineConfig.from_kwargs` rejects unknown keys.
+    """
 
     model: str | None = None  # .gguf file or HF directory; None = the bundled SmolLM2 GGUF
     dtype: str = "float32"  # compute / weight dtype
@@ -49,7 +52,9 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("prefix_cache_hash", self.prefix_cache_hash, ("sha256", "xxh3_128"))
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+            raise ValueError(
+                f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}"
+            )
         parse_size_bytes(self.kv_cache_memory, "kv_cache_memory")
         parse_size_bytes(self.encoder_cache_memory, "encoder_cache_memory")
         _positive("num_blocks", self.num_blocks, allow_none=True)
@@ -66,7 +71,9 @@ class EngineConfig:
                 )
             parse_kv_stores(self.kv_store)
             if not self.enable_prefix_caching:
-                raise ValueError("kv_store needs enable_prefix_caching=True (blocks are saved when committed)")
+                raise ValueError(
+                    "kv_store needs enable_prefix_caching=True (blocks are saved when committed)"
+                )
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -74,7 +74,8 @@ class PagedAttentionBackend:
             )
         else:
             out = paged_attention_pages(
-                q, kv_cache.k_pages[layer], kv_cache.v_pages[layer], plan, self.scale, self.workspace
+                q, kv_cache.k_pages[layer], kv_cache.v_pages[layer], plan, self.scale,
+                self.workspace,
             )
         return unfold_fp8_output(out, kv_cache, layer)
 
@@ -171,7 +172,8 @@ def check_metadata_fits_cache(metadata: AttentionMetadata, kv_cache: PagedKVCach
     """Raises ValueError when the metadata was built for another pool or block size."""
     if metadata.block_size != kv_cache.block_size:
         raise ValueError(
-            f"metadata block_size {metadata.block_size} != KV cache block_size {kv_cache.block_size}"
+            f"metadata block_size {metadata.block_size} "
+            f"!= KV cache block_size {kv_cache.block_size}"
         )
     if metadata.num_cache_blocks != kv_cache.num_blocks:
         raise ValueError(
@@ -181,7 +183,11 @@ def check_metadata_fits_cache(metadata: AttentionMetadata, kv_cache: PagedKVCach
 
 
 def check_step_tensors(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache, metadata: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: PagedKVCache,
+    metadata: AttentionMetadata,
 ) -> None:
     """Raises ValueError when q/k/v do not hold one row per token of the metadata."""
     num_tokens = metadata.num_tokens

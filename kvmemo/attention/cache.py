@@ -39,8 +39,13 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return _TORCH_KV_DTYPES[kv_cache_dtype]
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V bytes one token occupies across all layers (fp8 scales are per head, not per token)."""
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """K and V bytes one token occupies across all layers.
+
+    fp8 scales are per head, not per token, so they are not counted.
+    """
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -88,12 +93,13 @@ class PagedKVCache:
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         cache = cls(k_pages=k, v_pages=v, block_size=block_size)
         if dtype == FP8_DTYPE:  # the identity transform until calibrated (see fp8.py)
-            f32 = dict(dtype=torch.float32, device=device)
-            cache.k_scales = torch.ones(num_layers, num_kv_heads, **f32)
-            cache.v_scales = torch.ones(num_layers, num_kv_heads, **f32)
-            cache.k_offsets = torch.zeros(num_layers, num_kv_heads, head_dim, **f32)
-            cache.v_offsets = torch.zeros(num_layers, num_kv_heads, head_dim, **f32)
-            cache.rotation = torch.eye(head_dim, **f32)
+            f32 = torch.float32
+            cache.k_scales = torch.ones(num_layers, num_kv_heads, dtype=f32, device=device)
+            cache.v_scales = torch.ones(num_layers, num_kv_heads, dtype=f32, device=device)
+            offsets_shape = (num_layers, num_kv_heads, head_dim)
+            cache.k_offsets = torch.zeros(offsets_shape, dtype=f32, device=device)
+            cache.v_offsets = torch.zeros(offsets_shape, dtype=f32, device=device)
+            cache.rotation = torch.eye(head_dim, dtype=f32, device=device)
         return cache
 
     def logical_caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +156,9 @@ class PagedKVCache:
         """
         if not self.is_fp8 or self.k_scales is None or self.v_scales is None:
             raise ValueError(f"scales apply to an fp8 KV cache only, this one is {self.dtype}")
-        assert self.k_offsets is not None and self.v_offsets is not None and self.rotation is not None
+        assert (
+            self.k_offsets is not None and self.v_offsets is not None and self.rotation is not None
+        )
         for name, new in (("k_scales", k_scales), ("v_scales", v_scales)):
             if new.shape != self.k_scales.shape or not bool((new > 0).all()):
                 raise ValueError(
@@ -158,7 +166,9 @@ class PagedKVCache:
                     f"got {tuple(new.shape)}"
                 )
         for name, offsets in (("k_offsets", k_offsets), ("v_offsets", v_offsets)):
-            if offsets is not None and (offsets.shape != self.k_offsets.shape or not bool(offsets.isfinite().all())):
+            if offsets is not None and (
+                offsets.shape != self.k_offsets.shape or not bool(offsets.isfinite().all())
+            ):
                 raise ValueError(
                     f"{name} must be finite with shape {tuple(self.k_offsets.shape)}, "
                     f"got {tuple(offsets.shape)}"
@@ -171,8 +181,12 @@ class PagedKVCache:
             raise ValueError(f"rotation must be an orthogonal {tuple(eye.shape)} matrix")
         self.k_scales.copy_(k_scales)
         self.v_scales.copy_(v_scales)
-        self.k_offsets.copy_(k_offsets if k_offsets is not None else torch.zeros_like(self.k_offsets))
-        self.v_offsets.copy_(v_offsets if v_offsets is not None else torch.zeros_like(self.v_offsets))
+        if k_offsets is None:
+            k_offsets = torch.zeros_like(self.k_offsets)
+        if v_offsets is None:
+            v_offsets = torch.zeros_like(self.v_offsets)
+        self.k_offsets.copy_(k_offsets)
+        self.v_offsets.copy_(v_offsets)
         self.rotation.copy_(rotation if rotation is not None else eye)
         self._unrotated = bool(torch.equal(self.rotation.cpu(), eye))  # skip two matmuls per layer
 
@@ -186,8 +200,13 @@ class PagedKVCache:
             for pages in (*self.k_pages, *self.v_pages):
                 pages[:, dst, :num_tokens].copy_(pages[:, src, :num_tokens])
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter this step's K and V ([T, Hkv, D]) of one layer into their slots (fp8: quantise)."""
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Scatter this step's K and V ([T, Hkv, D]) of one layer into their slots.
+
+        An fp8 cache quantises them first.
+        """
         k_fp8 = v_fp8 = None
         if self.is_fp8:
             k_fp8, v_fp8 = self.fp8_transform(layer, "k"), self.fp8_transform(layer, "v")
@@ -196,14 +215,24 @@ class PagedKVCache:
 
     def fp8_transform(self, layer: int, which: str) -> Fp8Transform:
         """Layer `layer`'s K ('k') or V ('v') transform of an fp8 cache."""
-        scales, offsets = (self.k_scales, self.k_offsets) if which == "k" else (self.v_scales, self.v_offsets)
+        if which == "k":
+            scales, offsets = self.k_scales, self.k_offsets
+        else:
+            scales, offsets = self.v_scales, self.v_offsets
         if scales is None or offsets is None or self.rotation is None:
-            raise ValueError(f"an fp8 transform exists for an fp8 KV cache only, this one is {self.dtype}")
-        return Fp8Transform(scales[layer], offsets[layer], None if self._unrotated else self.rotation)
+            raise ValueError(
+                f"an fp8 transform exists for an fp8 KV cache only, this one is {self.dtype}"
+            )
+        rotation = None if self._unrotated else self.rotation
+        return Fp8Transform(scales[layer], offsets[layer], rotation)
 
 
 def gather_pages(
-    pages: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype, name: str, workspace: Workspace
+    pages: torch.Tensor,
+    block_ids: torch.Tensor,
+    dtype: torch.dtype,
+    name: str,
+    workspace: Workspace,
 ) -> torch.Tensor:
     """pages [Hkv, num_blocks, bs, D] -> [Hkv, n * bs, D] of the given blocks, in `dtype`.
 
@@ -218,7 +247,8 @@ def gather_pages(
     if pages.dtype != dtype:
         converted = workspace.get(name + "_converted", shape, dtype, pages.device)
         if pages.dtype == FP8_DTYPE and pages.device.type == "cpu":
-            raw = fp8_to_float(raw, converted, workspace.get(name + "_bits", shape, torch.int16, pages.device))
+            bits = workspace.get(name + "_bits", shape, torch.int16, pages.device)
+            raw = fp8_to_float(raw, converted, bits)
         else:
             raw = converted.copy_(raw)
     return raw.view(num_kv_heads, -1, head_dim)
@@ -248,14 +278,19 @@ class Fp8Transform:
 
 
 def quantize_fp8(x: torch.Tensor, transform: Fp8Transform) -> torch.Tensor:
-    """x [T, Hkv, D] -> fp8 values of ((x - offset) @ rotation) / scale, clamped to the fp8 range."""
+    """x [T, Hkv, D] -> fp8 values of ((x - offset) @ rotation) / scale.
+
+    Clamped to the fp8 range.
+    """
     y = x.float() - transform.offset  # [T, Hkv, D]
     if transform.rotation is not None:
         y = y @ transform.rotation
     return (y / transform.scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def dequantize_fp8(stored: torch.Tensor, transform: Fp8Transform, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(
+    stored: torch.Tensor, transform: Fp8Transform, dtype: torch.dtype
+) -> torch.Tensor:
     """stored [..., Hkv, D] fp8 -> real values stored * scale @ rotation.T + offset, in `dtype`."""
     y = stored.float() * transform.scale[:, None]
     if transform.rotation is not None:
@@ -275,7 +310,11 @@ def _write_pages(
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter unscaled K and V ([T, Hkv, D]) into logical caches [num_blocks, bs, Hkv, D].
 

@@ -99,10 +99,13 @@ def cascade_attention(
         v_prefix = v_pages[:, blocks].flatten(1, 2)
     else:
         prefix_ids = metadata.block_tables[0, :prefix_blocks]
-        k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)  # [Hkv, Lp, D]
+        # [Hkv, Lp, D]
+        k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)
         v_prefix = gather_pages(v_pages, prefix_ids, q.dtype, "cascade_v", workspace)
     o_prefix, lse_prefix = _prefix_attention(q, k_prefix, v_prefix, scale)
-    o_suffix, lse_suffix = _suffix_attention(q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace)
+    o_suffix, lse_suffix = _suffix_attention(
+        q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace
+    )
     return merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix).to(q.dtype)
 
 
@@ -146,7 +149,10 @@ def _suffix_attention(
     scale: float,
     workspace: Workspace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence against its own keys [prefix_len, seq_len). Returns o [T, Hq, D], lse [T, Hq]."""
+    """Each sequence against its own keys [prefix_len, seq_len).
+
+    Returns o [T, Hq, D], lse [T, Hq].
+    """
     num_tokens, num_heads, _ = q.shape
     decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
     if len(decode) == metadata.num_seqs:
@@ -159,7 +165,8 @@ def _suffix_attention(
     if decode:
         rows = torch.tensor([metadata.query_start_loc[s] for s in decode], device=q.device)
         o_d, lse_d = _batched_decode_suffix(
-            q.index_select(0, rows), k_pages, v_pages, metadata, decode, prefix_blocks, scale, workspace
+            q.index_select(0, rows), k_pages, v_pages, metadata, decode, prefix_blocks, scale,
+            workspace,
         )
         out[rows], lse[rows] = o_d, lse_d
     for s, query_len in enumerate(metadata.query_lens):
@@ -167,8 +174,10 @@ def _suffix_attention(
             continue
         start, end = metadata.query_start_loc[s], metadata.query_start_loc[s + 1]
         suffix_len = metadata.seq_lens[s] - prefix_len
-        table = metadata.block_tables[s, prefix_blocks : prefix_blocks + -(-suffix_len // metadata.block_size)]
-        k = gather_pages(k_pages, table, q.dtype, "cascade_sk", workspace)[:, :suffix_len]  # [Hkv, Ls, D]
+        suffix_blocks = -(-suffix_len // metadata.block_size)
+        table = metadata.block_tables[s, prefix_blocks : prefix_blocks + suffix_blocks]
+        # [Hkv, Ls, D]
+        k = gather_pages(k_pages, table, q.dtype, "cascade_sk", workspace)[:, :suffix_len]
         v = gather_pages(v_pages, table, q.dtype, "cascade_sv", workspace)[:, :suffix_len]
         out[start:end], lse[start:end] = _prefill_suffix(q[start:end], k, v, scale)
     return out, lse

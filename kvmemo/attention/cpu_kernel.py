@@ -8,6 +8,7 @@ which computes the same values.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -30,7 +31,7 @@ class DecodeKernel:
     """The loaded shared object and where it came from."""
 
     path: Path
-    fn: ctypes._CFuncPtr
+    fn: Callable[..., int]  # the ctypes function pointer; returns a status code
 
     def supports(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
         """True when this kernel can run the shapes, dtypes and layout (else use the torch path)."""
@@ -53,7 +54,8 @@ class DecodeKernel:
         k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D] contiguous
         v_pages: torch.Tensor,
         block_tables: torch.Tensor,  # [S, max_blocks] int64
-        table_rows: torch.Tensor | None,  # [B] int64: the block_tables row of each query; None: row b
+        # [B] int64: the block_tables row of each query; None: row b
+        table_rows: torch.Tensor | None,
         first_block: int,  # table entries to skip (a cascade suffix starts after the prefix)
         kv_lens: torch.Tensor,  # [B] int64 keys per sequence, counted from first_block
         scale: float,
@@ -63,7 +65,9 @@ class DecodeKernel:
         batch, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks, block_size, _ = k_pages.shape
         if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
-            raise ValueError("the decode kernel reads pages [Hkv, num_blocks, bs, D] that are contiguous")
+            raise ValueError(
+                "the decode kernel reads pages [Hkv, num_blocks, bs, D] that are contiguous"
+            )
         q32 = q.to(torch.float32).contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         rows = None if table_rows is None else table_rows.to(torch.int64).contiguous()
@@ -79,7 +83,8 @@ class DecodeKernel:
         if status != 0:
             raise ValueError(
                 f"decode kernel cannot run head_dim {head_dim} with {num_heads} q / {num_kv_heads} "
-                f"kv heads (head_dim <= {MAX_HEAD_DIM}, group <= {MAX_GROUP}); check supports() first"
+                f"kv heads (head_dim <= {MAX_HEAD_DIM}, group <= {MAX_GROUP}); "
+                "check supports() first"
             )
         return out.to(q.dtype), lse
 

@@ -144,11 +144,13 @@ def calibrate_kv_scales(
     rotation = hadamard_rotation(head_dim) if rotate else torch.eye(head_dim)
     if not smooth:
         k_offset, v_offset = torch.zeros_like(k_offset), torch.zeros_like(v_offset)
-    k_amax = torch.stack([((k - k_offset[l]) @ rotation).abs().amax(dim=(0, 2))
-                          for l, k in enumerate(stats.keys())])  # [num_layers, num_kv_heads]
-    v_amax = torch.stack([((v - v_offset[l]) @ rotation).abs().amax(dim=(0, 2))
-                          for l, v in enumerate(stats.values())])
-    return KVScales(scales_from_amax(k_amax), scales_from_amax(v_amax), k_offset, v_offset, rotation)
+    k_amax = torch.stack([((k - k_offset[layer]) @ rotation).abs().amax(dim=(0, 2))
+                          for layer, k in enumerate(stats.keys())])  # [num_layers, num_kv_heads]
+    v_amax = torch.stack([((v - v_offset[layer]) @ rotation).abs().amax(dim=(0, 2))
+                          for layer, v in enumerate(stats.values())])
+    return KVScales(
+        scales_from_amax(k_amax), scales_from_amax(v_amax), k_offset, v_offset, rotation
+    )
 
 
 class _OffsetStats:
@@ -163,8 +165,13 @@ class _OffsetStats:
         self.k_seen: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # [T, Hkv, D] each
         self.v_seen: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention in fp32 (explicit, to see the probabilities). q [T, Hq, D] -> [T, Hq, D]."""
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention in fp32 (explicit, to see the probabilities).
+
+        q [T, Hq, D] -> [T, Hq, D].
+        """
         num_tokens, num_heads, head_dim = q.shape
         group, dtype = num_heads // self.num_kv_heads, q.dtype
         q, k, v = q.float(), k.float(), v.float()
@@ -186,7 +193,9 @@ class _OffsetStats:
     def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V offsets [num_layers, Hkv, D]; a channel no query weighs (den 0) gets 0."""
         def ratio(num: list, den: list) -> torch.Tensor:
-            return torch.stack([torch.where(d > 0, n / d.clamp_min(1e-30), 0.0) for n, d in zip(num, den)])
+            return torch.stack(
+                [torch.where(d > 0, n / d.clamp_min(1e-30), 0.0) for n, d in zip(num, den)]
+            )
         return ratio(self.k_num, self.k_den), ratio(self.v_num, self.v_den)
 
     def keys(self) -> list[torch.Tensor]:

@@ -53,8 +53,8 @@ class AttentionMetadata:
         """Validate the per-sequence lists and derive slot mapping and padded tensors.
 
         Raises:
-            ValueError: lists of different lengths, a query_len < 1, a negative computed count, a block table too
-                short for its context, or a block id outside [0, num_cache_blocks).
+            ValueError: lists of different lengths, a query_len < 1, a negative computed count, a
+                block table too short for its context, or a block id outside [0, num_cache_blocks).
         """
         num_seqs = len(query_lens)
         lengths = {

@@ -1,4 +1,6 @@
-"""Fast paged attention over head-major pages: all decodes in one batched SDPA, prefills per sequence.
+"""Fast paged attention over head-major pages.
+
+All decodes run in one batched SDPA, prefills per sequence.
 
 Invariant: equal (to float tolerance) to torch_ref.paged_attention_ref for every batch.
 Pages are gathered into reused workspace buffers (never a fresh allocation per layer), laid out
@@ -15,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cascade import (
     cascade_attention,
     cascade_prefix_blocks,
     contiguous_run_start,
     merge_attention_states,
 )
-from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cpu_kernel import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
@@ -100,12 +102,17 @@ class StepPlan:
         )
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive mask [B, 1, 1, L] of the decode batch (0 keep, -inf padding), made once per dtype."""
+        """Additive mask [B, 1, 1, L] of the decode batch (0 keep, -inf padding).
+
+        Made once per dtype.
+        """
         if self.decode_valid is None:
             return None
         mask = self._masks.get(dtype)
         if mask is None:
-            mask = torch.zeros(self.decode_valid.shape, dtype=dtype, device=self.decode_valid.device)
+            mask = torch.zeros(
+                self.decode_valid.shape, dtype=dtype, device=self.decode_valid.device
+            )
             mask.masked_fill_(~self.decode_valid, float("-inf"))
             self._masks[dtype] = mask
         return mask
@@ -148,7 +155,10 @@ def paged_attention_pages(
     out = torch.empty_like(q)
     if plan.decode_seqs:
         rows = plan.decode_rows
-        out[rows] = decode_attention(q.index_select(0, rows), k_pages, v_pages, plan, scale, workspace)
+        assert rows is not None  # None only when the whole batch decodes, handled above
+        out[rows] = decode_attention(
+            q.index_select(0, rows), k_pages, v_pages, plan, scale, workspace
+        )
     for seq in plan.prefills:
         out[seq.start : seq.end] = prefill_attention(
             q[seq.start : seq.end], k_pages, v_pages, seq.block_ids, seq.seq_len, scale, workspace
@@ -174,7 +184,8 @@ def decode_attention(
     kernel = load_decode_kernel() if q.device.type == "cpu" else None
     if kernel is not None and kernel.supports(q, k_pages, v_pages):
         return kernel(
-            q, k_pages, v_pages, plan.block_tables, plan.decode_table_rows, 0, plan.decode_seq_lens, scale
+            q, k_pages, v_pages, plan.block_tables, plan.decode_table_rows, 0,
+            plan.decode_seq_lens, scale,
         )[0]
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
@@ -206,7 +217,8 @@ def prefill_attention(
     """
     query_len, num_heads, head_dim = q.shape
     num_cached = seq_len - query_len
-    k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[None, :, :seq_len]  # [1, Hkv, Lk, D]
+    # [1, Hkv, Lk, D]
+    k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[None, :, :seq_len]
     v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[None, :, :seq_len]
     if q.device.type != "cpu":
         return _masked_prefill(q, k, v, num_cached, scale)

@@ -21,10 +21,13 @@ class Workspace:
         self._buffers: dict[str, torch.Tensor] = {}
         self.num_allocations = 0  # how many times a buffer was (re)allocated, for tests and stats
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         numel = math.prod(shape)
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+        if (buffer is None or buffer.numel() < numel or buffer.dtype != dtype
+                or buffer.device != device):
             # Large CPU allocations are fresh mmaps whose first touch page-faults: reusing them
             # saves about as much time as the copy into them costs (measured: 20 -> 15 ms at
             # 32 x 1,024 decode), so grow rarely and keep the buffer.

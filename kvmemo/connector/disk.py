@@ -20,8 +20,8 @@ from pathlib import Path
 from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
-    StoreNamespace,
     StatsCounter,
+    StoreNamespace,
     StoreStats,
     decode_block_checked,
     encode_block,
@@ -209,7 +209,10 @@ class DiskStore:
     # ---- write -----------------------------------------------------------------------------
 
     def put(self, block_hash: BlockHash, payload: bytes) -> None:
-        """Queues a save; returns at once. Dropped (and counted) when paused or the queue is full."""
+        """Queues a save; returns at once.
+
+        Dropped (and counted) when paused or the queue is full.
+        """
         key = bytes(block_hash)
         with self._lock:
             if key in self._index:

@@ -1,4 +1,6 @@
-"""RedisStore: blocks as Redis values under "<prefix>:<namespace dir>:<hash hex>", shared by replicas.
+"""RedisStore: blocks as Redis values under "<prefix>:<namespace dir>:<hash hex>".
+
+The values are shared by replicas.
 
 Invariant: a value is served only if it decodes under this namespace and block hash (else a miss,
 deleted); a lost connection is misses and one warning per outage, never an exception, and no call
@@ -12,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -23,8 +26,8 @@ from redis.retry import Retry
 from kvmemo.connector.save_queue import SaveQueue
 from kvmemo.connector.store import (
     InvalidBlock,
-    StoreNamespace,
     StatsCounter,
+    StoreNamespace,
     StoreStats,
     decode_block_checked,
     encode_block,
@@ -171,7 +174,9 @@ class RedisStore:
             self._count(num_misses=len(keys))
             return [None] * len(keys)
         try:
-            values = self._client.mget(keys)
+            # The client is built without decode_responses, so values are raw bytes (or None),
+            # never the str the stubs also allow.
+            values = cast("list[bytes | None]", self._client.mget(keys))
         except _OUTAGE_ERRORS as exc:
             self._failed(exc)
             self._count(num_misses=len(keys))

@@ -67,7 +67,9 @@ def parse_kv_store(spec: str) -> KVStoreSpec:
     capacity_bytes = DEFAULT_CAPACITY_BYTES
     for key, value in _options(spec, query):
         if key != "capacity":
-            raise ValueError(f"kv_store option {key!r} is unknown for disk; allowed: capacity ({_FORM})")
+            raise ValueError(
+                f"kv_store option {key!r} is unknown for disk; allowed: capacity ({_FORM})"
+            )
         capacity_bytes = _size(value)
     return KVStoreSpec(kind=kind, path=path, capacity_bytes=capacity_bytes)
 
@@ -86,7 +88,9 @@ def _parse_redis(spec: str) -> KVStoreSpec:
     timeout_s = DEFAULT_REDIS_TIMEOUT_S
     for key, value in _options(spec, query):
         if key != "timeout":
-            raise ValueError(f"kv_store option {key!r} is unknown for redis; allowed: timeout ({_FORM})")
+            raise ValueError(
+                f"kv_store option {key!r} is unknown for redis; allowed: timeout ({_FORM})"
+            )
         message = f"kv_store redis timeout must be seconds in (0, 60], got {value!r} ({_FORM})"
         try:
             timeout_s = float(value)
@@ -102,7 +106,8 @@ def _options(spec: str, query: str) -> list[tuple[str, str]]:
         return parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise ValueError(
-            f"kv_store options must look like ?capacity=20GiB or ?timeout=0.5 ({_FORM}), got {spec!r}"
+            f"kv_store options must look like ?capacity=20GiB or ?timeout=0.5 ({_FORM}), "
+            f"got {spec!r}"
         ) from None
 
 

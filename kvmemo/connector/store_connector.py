@@ -1,4 +1,6 @@
-"""StoreKVConnector: the KVConnector over any BlockStore (disk, Redis, tiers), loads and saves by block.
+"""StoreKVConnector: the KVConnector over any BlockStore (disk, Redis, tiers).
+
+It loads and saves by block.
 
 Invariant: loads are only the validated payloads matched this step, for blocks the allocation
 just handed out; each committed block is offered to the store at most once per process.

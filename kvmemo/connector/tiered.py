@@ -1,4 +1,6 @@
-"""TieredStore: several BlockStores as one (e.g. disk, then Redis), looked up in order, saved to all.
+"""TieredStore: several BlockStores as one (e.g. disk, then Redis).
+
+Blocks are looked up in order and saved to all.
 
 Invariant: get_many serves each block of a consecutive prefix from the first tier that has it,
 and only the consecutive prefix (a block after a miss is useless to a prefix match); a block

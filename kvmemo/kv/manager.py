@@ -231,6 +231,7 @@ class KVCacheManager:
         if num_new_blocks + num_free_hits + (shared_tail is not None) > num_free:
             return None
         if shared_tail is not None:
+            assert state is not None  # _shared_tail finds a shared tail only in existing blocks
             self._copy_on_write(state, shared_tail, num_computed % self.block_size)
         if prefix is not None:
             self._check_fresh(request, prefix)

@@ -107,7 +107,10 @@ def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def dequantize_tensor(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """One tensor's raw GGUF data (uint8 rows) -> fp32 torch tensor in numpy (row-major, HF) shape."""
+    """One tensor's raw GGUF data (uint8 rows) -> fp32 torch tensor.
+
+    The tensor has the numpy (row-major, HF) shape.
+    """
     out = torch.empty(quant_shape_from_byte_shape(data.shape, qtype), dtype=torch.float32)
     dequantize_into(name, out, data, qtype)
     return out

@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,8 +82,15 @@ class ImageProcessorConfig:
             do_rescale=bool(raw.get("do_rescale", True)),
             rescale_factor=float(raw.get("rescale_factor", 1 / 255)),
             do_normalize=bool(raw.get("do_normalize", True)),
-            image_mean=tuple(float(x) for x in raw.get("image_mean", _CLIP_MEAN)),
-            image_std=tuple(float(x) for x in raw.get("image_std", _CLIP_STD)),
+            # RGB triples: __post_init__ rejects any other length with a clear error.
+            image_mean=cast(
+                "tuple[float, float, float]",
+                tuple(float(x) for x in raw.get("image_mean", _CLIP_MEAN)),
+            ),
+            image_std=cast(
+                "tuple[float, float, float]",
+                tuple(float(x) for x in raw.get("image_std", _CLIP_STD)),
+            ),
         )
 
     @classmethod

@@ -7,6 +7,7 @@ injected attention callable, which owns both. Projections are fused (qkv, gate_u
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -131,7 +132,8 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        # [T, hidden]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # each [T, 1, D/2]
         for layer_idx, layer in enumerate(self.layers):
             hidden = layer(layer_idx, hidden, cos, sin, attention)
@@ -188,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         if not self.config.tie_word_embeddings:
             plan.append(("lm_head.weight", ["lm_head.weight"]))
-        for i, layer in enumerate(self.layers):
+        # nn.ModuleList is typed as holding Modules; self.layers holds DecoderLayers only.
+        for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
             ours, p = f"layers.{i}.", f"model.layers.{i}."
             qkv = [f"{p}self_attn.{proj}_proj" for proj in ("q", "k", "v")]
             gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]

@@ -109,6 +109,7 @@ def load_model(
     from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 
     image_input: ImageInputSpec | None = None
+    model: LlamaForCausalLM | LlavaForConditionalGeneration
 
     if resolved.is_file():
         if resolved.suffix != ".gguf":
@@ -131,7 +132,9 @@ def load_model(
             state_dict, arch_config = load_safetensors_dir(resolved)
 
     if image_input is None:
-        model = LlamaForCausalLM.from_state_dict(arch_config, state_dict, dtype=dtype, device=device)
+        model = LlamaForCausalLM.from_state_dict(
+            arch_config, state_dict, dtype=dtype, device=device
+        )
     logger.info(
         "loaded %s (%s, %.1fM params, %s) in %.2f s",
         resolved,

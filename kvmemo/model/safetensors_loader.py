@@ -66,7 +66,10 @@ def load_safetensors_dir(
 
 
 def load_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every shard of an HF directory in one dict, keys as stored; a key in two shards is an error."""
+    """Every shard of an HF directory in one dict, keys as stored.
+
+    A key in two shards is an error.
+    """
     files = safetensors_files(directory)
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:

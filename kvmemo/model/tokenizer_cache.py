@@ -41,5 +41,9 @@ def load_gguf_tokenizer(gguf_path: Path, fingerprint: str) -> Any:
         except OSError:  # another process won the race, or an old entry is in the way
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as e:
-        logger.warning("could not cache the tokenizer under %s (%s); it will be converted again next time", cached.parent, e)
+        logger.warning(
+            "could not cache the tokenizer under %s (%s); it will be converted again next time",
+            cached.parent,
+            e,
+        )
     return tokenizer

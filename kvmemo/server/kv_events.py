@@ -64,7 +64,7 @@ def _event_from_wire(item: dict[str, Any]) -> KVEvent:
             parent_block_hash=None if parent is None else BlockHash(parent),
             token_ids=tuple(item["token_ids"]),
             block_size=item["block_size"],
-            extra_keys=tuple(tuple(key) for key in item["extra_keys"]),  # type: ignore[misc]
+            extra_keys=tuple(tuple(key) for key in item["extra_keys"]),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=tuple(BlockHash(h) for h in item["block_hashes"]))
@@ -98,7 +98,8 @@ def decode_batch(data: bytes) -> EventBatch:
         epoch = raw["epoch"]
         if not isinstance(epoch, str):
             raise ValueError(f"epoch must be a string, got {epoch!r}")
-        return EventBatch(epoch, seq, float(raw["ts"]), tuple(_event_from_wire(e) for e in raw["events"]))
+        events = tuple(_event_from_wire(e) for e in raw["events"])
+        return EventBatch(epoch, seq, float(raw["ts"]), events)
     except (KeyError, TypeError, msgpack.UnpackException, ValueError) as exc:
         raise ValueError(f"malformed KV event message: {exc}") from None
 

@@ -81,7 +81,8 @@ class ServerMetrics:
 
         tier_hits = Gauge(
             "kvmemo_store_tier_served_blocks",
-            "Blocks each KV store tier served (cumulative; the first tier holding a block serves it)",
+            "Blocks each KV store tier served "
+            "(cumulative; the first tier holding a block serves it)",
             ["tier"],
             registry=r,
         )
@@ -92,12 +93,14 @@ class ServerMetrics:
             registry=r,
         )
         for index, tier in enumerate(engine.stats.store_tiers):  # fixed when the engine is built
-            tier_hits.labels(tier.name).set_function(
-                lambda i=index: float(engine.stats.store_tiers[i].served_blocks)
-            )
-            tier_errors.labels(tier.name).set_function(
-                lambda i=index: float(engine.stats.store_tiers[i].errors)
-            )
+            def served(i: int = index) -> float:
+                return float(engine.stats.store_tiers[i].served_blocks)
+
+            def errors(i: int = index) -> float:
+                return float(engine.stats.store_tiers[i].errors)
+
+            tier_hits.labels(tier.name).set_function(served)
+            tier_errors.labels(tier.name).set_function(errors)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

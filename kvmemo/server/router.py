@@ -10,8 +10,10 @@ bytes, untouched.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +22,13 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.server.block_index import ReplicaBlockIndex, follow_events
@@ -61,10 +69,14 @@ class _Metrics:
             registry=r,
         )
         self.retries = Counter(
-            "kvmemo_router_retries", "Requests re-sent after a replica failed to connect", registry=r
+            "kvmemo_router_retries",
+            "Requests re-sent after a replica failed to connect",
+            registry=r,
         )
-        per_replica = {
-            "kvmemo_router_replica_healthy": ("1 if the last health check passed", lambda x: x.healthy),
+        per_replica: dict[str, tuple[str, Callable[[Replica], float]]] = {
+            "kvmemo_router_replica_healthy": (
+                "1 if the last health check passed", lambda x: x.healthy
+            ),
             "kvmemo_router_replica_in_flight": ("Requests in flight", lambda x: x.in_flight),
             "kvmemo_router_replica_cached_blocks": (
                 "Block hashes the router believes the replica holds", lambda x: len(x.index.hashes)
@@ -79,7 +91,11 @@ class _Metrics:
         for name, (doc, read) in per_replica.items():
             gauge = Gauge(name, doc, ["replica"], registry=r)
             for replica in router.replicas:
-                gauge.labels(replica.url).set_function(lambda x=replica, f=read: float(f(x)))
+                gauge.labels(replica.url).set_function(functools.partial(_read, read, replica))
+
+
+def _read(read: Callable[[Replica], float], replica: Replica) -> float:
+    return float(read(replica))
 
 
 class Router:
@@ -172,11 +188,13 @@ class Router:
         if endpoint:
             endpoint = _reachable(endpoint, replica.url)
             replica.events_task = asyncio.create_task(
-                follow_events(endpoint, replica.index, lambda r=replica: self._snapshot(r),
-                              name=replica.url)
+                follow_events(endpoint, replica.index,
+                              functools.partial(self._snapshot, replica), name=replica.url)
             )
         else:
-            logger.warning("replica %s publishes no KV events; routing it by load only", replica.url)
+            logger.warning(
+                "replica %s publishes no KV events; routing it by load only", replica.url
+            )
         return True
 
     async def _snapshot(self, replica: Replica) -> tuple[str, int, list[bytes]]:
@@ -185,7 +203,9 @@ class Router:
 
     # ---- proxying --------------------------------------------------------------------------
 
-    def route(self, path: str, body: dict[str, Any] | None, exclude: set[int]) -> tuple[int, list[BlockHash]]:
+    def route(
+        self, path: str, body: dict[str, Any] | None, exclude: set[int]
+    ) -> tuple[int, list[BlockHash]]:
         """(replica index, prompt block hashes); raises ValueError if no replica is up."""
         hashes = self.hasher.block_hashes(path, body) if self.hasher and body is not None else []
         candidates = [
@@ -229,7 +249,9 @@ class Router:
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
                 replica.healthy = False
-                logger.warning("replica %s failed (%s); marked down, trying another", replica.url, exc)
+                logger.warning(
+                    "replica %s failed (%s); marked down, trying another", replica.url, exc
+                )
                 self.metrics.retries.inc()
                 tried.add(index)
                 continue
@@ -343,6 +365,8 @@ def run_router(
     tokenizer, template, fingerprint = load_tokenizer(model)
     router = Router(replica_urls, tokenizer, template, fingerprint, policy=routing,
                     health_interval_s=health_interval_s)
-    logger.info("routing %s over %d replicas on http://%s:%d/v1", policy, len(replica_urls), host, port)
+    logger.info(
+        "routing %s over %d replicas on http://%s:%d/v1", policy, len(replica_urls), host, port
+    )
     uvicorn.run(create_router_app(router), host=host, port=port, log_level="warning",
                 access_log=False)

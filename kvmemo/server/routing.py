@@ -36,7 +36,9 @@ class RoutingPolicy:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
         if not isinstance(balance_threshold, int) or balance_threshold < 0:
-            raise ValueError(f"balance_threshold must be an integer >= 0, got {balance_threshold!r}")
+            raise ValueError(
+                f"balance_threshold must be an integer >= 0, got {balance_threshold!r}"
+            )
         self.policy = policy
         self.balance_threshold = balance_threshold
         self._turn = 0

@@ -6,7 +6,6 @@ import random
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvmemo.attention.cache import FP8_DTYPE, PagedKVCache, dequantize_fp8, quantize_fp8
 from kvmemo.attention.fp8 import scales_from_amax

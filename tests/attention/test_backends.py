@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from kvmemo.attention import cascade
-from kvmemo.attention.backend import PagedAttentionBackend, ReferenceAttentionBackend, select_attention_backend
+from kvmemo.attention.backend import (
+    PagedAttentionBackend,
+    ReferenceAttentionBackend,
+    select_attention_backend,
+)
 from kvmemo.attention.cache import FP8_DTYPE
 from kvmemo.attention.fp8 import scales_from_amax
 from kvmemo.attention.metadata import AttentionMetadata

@@ -8,7 +8,6 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.kv.kv_testing import make_hasher, make_request
 
 from kvmemo.kv.hashing import (
     HASH_ALGORITHMS,
@@ -19,6 +18,7 @@ from kvmemo.kv.hashing import (
     namespace_root_hash,
 )
 from kvmemo.request import MultiModalItem
+from tests.kv.kv_testing import make_hasher, make_request
 
 _NS = dict(weights_fingerprint="w1", kv_cache_dtype="bfloat16", block_size=16)
 

@@ -13,7 +13,6 @@ from kvmemo.kv.match import BlockCopy
 from kvmemo.request import Request
 from tests.kv.kv_testing import admit, finish_step, make_manager, make_request, ref_counts
 
-
 Memory = dict[int, list[int | None]]  # block id -> the token whose KV each slot holds
 
 

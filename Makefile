@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvmemo-installed
 
-.PHONY: demo test bench bench-peers clean-venv
+.PHONY: demo test lint bench bench-peers clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# ruff over the whole tree; mypy over the package's typed core (kv, connector, engine, intake,
+# attention, model). Both are configured in pyproject.toml; CI runs this before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvmemo tests benchmarks examples
+	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

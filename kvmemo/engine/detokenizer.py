@@ -7,13 +7,14 @@ while more tokens may follow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class IncrementalDetokenizer:
     """Owns the text of one output sequence."""
 
-    tokenizer: object
+    tokenizer: Any  # a Hugging Face tokenizer (decode)
     stop_strings: tuple[str, ...]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)

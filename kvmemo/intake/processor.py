@@ -214,11 +214,13 @@ def _image_source(part: dict[str, Any], where: str) -> Any:  # raises InputError
 def _normalise_message(message: Any) -> Any:
     if not isinstance(message, dict):
         return message  # validate_messages names what is wrong with it
-    role = message.get("role")
-    content = message.get("content")
-    if role in _ROLE_ALIASES or ("content" in message and content is None):
-        return {**message, "role": _ROLE_ALIASES.get(role, role), "content": content or ""}
-    return message
+    out = dict(message)
+    role = out.get("role")
+    if isinstance(role, str) and role in _ROLE_ALIASES:
+        out["role"] = _ROLE_ALIASES[role]
+    if "content" in out and out["content"] is None:
+        out["content"] = ""
+    return out
 
 
 def validate_messages(messages: Any) -> None:

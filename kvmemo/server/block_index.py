@@ -8,7 +8,6 @@ buffered meanwhile that are newer than the snapshot are applied.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 

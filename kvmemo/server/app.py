@@ -18,19 +18,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmemo.engine import (
     AsyncEngine,
     EngineDeadError,
-    QueueFullError,
     RequestStream,
     StreamItem,
 )
 from kvmemo.sampling import SamplingParams
+from kvmemo.server.errors import APIError, add_error_handlers, error_body
 from kvmemo.server.kv_routes import add_kv_routes
 from kvmemo.server.metrics import ServerMetrics
 from kvmemo.server.protocol import (
@@ -58,49 +56,8 @@ _ROUTES = (
     "/kv/info",
     "/kv/blocks",
 )
-_PARAMS = (
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "stop",
-    "logprobs",
-    "seed",
-    "prompt",
-    "messages",
-    "cache_salt",
-)
 _MIN_TEMPERATURE = 1e-5  # below this (and above 0) sampling is greedy
 _CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only ever seen in metrics
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-
-def _error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-):
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
 
 
 def create_app(
@@ -140,52 +97,7 @@ def create_app(
             )
 
     auth = [Depends(check_key)]
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError):
-        return _error_response(e.status, e.message, e.type, e.param, e.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None  # the top-level field, as OpenAI reports it
-        if first.get("type") == "json_invalid":
-            message, param = "request body is not valid JSON", None
-        elif not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-            message = "request body must be a JSON object (send Content-Type: application/json)"
-        elif param == "prompt":
-            message = "prompt must be a non-empty string or a list of token ids"
-        else:
-            message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
-        return _error_response(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(request: Request, e: ValueError):
-        message = str(e)
-        # SamplingParams and the engine name the field first ("temperature must be ...").
-        param = getattr(e, "param", None) or next(
-            (f for f in _PARAMS if message.startswith(f + " ")), None
-        )
-        return _error_response(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(QueueFullError)
-    async def _queue_full(request: Request, e: QueueFullError):
-        return _error_response(503, str(e), "server_overloaded", code="queue_full")
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(request: Request, e: EngineDeadError):
-        return _error_response(503, str(e), "server_error", code="engine_unavailable")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        return _error_response(e.status_code, str(e.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        logger.exception("internal error")
-        return _error_response(500, f"internal error: {type(e).__name__}", "server_error")
+    add_error_handlers(app)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
@@ -543,8 +455,8 @@ class _Server:
             if include_usage:
                 yield event([], usage=job.usage())
         except EngineDeadError as e:
-            error = {"message": str(e), "type": "server_error", "param": None}
-            yield f"data: {json.dumps({'error': {**error, 'code': 'engine_unavailable'}})}\n\n"
+            body = error_body(str(e), "server_error", code="engine_unavailable")
+            yield f"data: {json.dumps(body)}\n\n"
         finally:
             job.stream.abort()  # the client left (generator closed) or an error: free the blocks
             self._record(job)

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvmemo.errors import InputError
+
 MAX_N = 16  # samples per request
 MAX_LOGPROBS = 20
 
@@ -53,10 +55,8 @@ def check_unsupported(extra_fields: dict[str, Any]) -> None:
         raise UnsupportedFieldError(name, f"unknown field {name!r}")
 
 
-class UnsupportedFieldError(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+class UnsupportedFieldError(InputError):
+    """A field kvmemo does not implement, or not at this value (`param` names it): a 400."""
 
 
 _Float = Field(default=None, allow_inf_nan=False)

@@ -1,0 +1,92 @@
+"""POST /v1/chat/completions: messages (text or content parts, images as data: URLs) in,
+`chat.completion` objects or `chat.completion.chunk` events out, with the `content` logprobs
+layout; streams open with an assistant-role delta per choice.
+
+Invariant: without max_tokens (or max_completion_tokens) a reply may fill the rest of the
+context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvmemo.errors import InputError
+from kvmemo.server.protocol import ChatCompletionRequest, ChatMessage, ImagePart
+from kvmemo.server.serving_common import Choice, Job, OpenAIServing, TokenLogprob
+
+
+class ServingChat(OpenAIServing):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_common(body)
+        messages = [_engine_message(i, message) for i, message in enumerate(body.messages)]
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InputError("top_logprobs", "top_logprobs requires logprobs: true")
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = self.sampling_params(body, max_tokens or 1, top_logprobs)
+        return await self.generate(
+            body,
+            request,
+            params,
+            top_logprobs,
+            messages=messages,
+            fill_context=max_tokens is None,
+        )
+
+    def choice_fields(self, choice: Choice) -> dict[str, Any]:
+        return {"message": {"role": "assistant", "content": choice.text}}
+
+    def delta_fields(self, delta: str) -> dict[str, Any]:
+        return {"delta": {"content": delta} if delta else {}}
+
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(n)
+        ]
+
+    def logprobs_json(
+        self, job: Job, choice: Choice, start: int, entries: list[TokenLogprob]
+    ) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = job.token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                for e in entries
+            ]
+        }
+
+
+def _engine_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A ChatMessage as the engine's chat template takes it."""
+    content = message.content
+    if isinstance(content, list):
+        if any(isinstance(part, ImagePart) for part in content):
+            # The processor loads the images (data: URLs only) and places them; a text-only
+            # model or a bad image is an InputError, so a 400.
+            content = [part.model_dump() for part in content]
+            if any(part["type"] == "image" for part in content):
+                raise InputError(
+                    "messages",
+                    f"messages[{index}].content: send images as image_url parts with a data: URL",
+                )
+        else:
+            content = "\n".join(part.text for part in content)
+    # The template knows system, not OpenAI's newer "developer" name for it.
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}

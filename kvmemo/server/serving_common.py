@@ -1,0 +1,334 @@
+"""What the two generation routes share: the per-request Job (choices, usage, time to first
+token), the checks and SamplingParams both take, the JSON and server-sent-event response loops,
+disconnect handling, and the metrics and log line of each finished request.
+
+Invariant: every Job's engine stream is aborted on every way out (finished, client gone, error;
+a no-op once finished), so its KV blocks are freed, and it is recorded exactly once. What
+differs between the APIs (ids, object names, choice and chunk fields, the logprobs layout) is
+left to the subclasses in serving_completion.py and serving_chat.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvmemo.engine import AsyncEngine, EngineDeadError, RequestStream, StreamItem
+from kvmemo.sampling import SamplingParams
+from kvmemo.server.errors import APIError, error_body
+from kvmemo.server.metrics import ServerMetrics
+from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only ever seen in metrics
+_MIN_TEMPERATURE = 1e-5  # below this (and above 0) sampling is greedy
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    num_logprobs_sent: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class Job:
+    """One HTTP generation request: its engine stream and what it produced so far."""
+
+    stream: RequestStream
+    n: int
+    top_logprobs: int | None  # None = no logprobs
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[Choice] = field(default_factory=list)
+    token_texts: dict[int, str] = field(default_factory=dict)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None
+    start: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.choices = [Choice() for _ in range(self.n)]
+
+    def update(self, item: StreamItem) -> tuple[Choice, str]:
+        """Record one engine output; returns the choice and its new text."""
+        out = item.output
+        completion = out.outputs[0]
+        choice = self.choices[item.index]
+        delta = (
+            completion.text[len(choice.text) :] if completion.text.startswith(choice.text) else ""
+        )
+        if delta:
+            choice.text = completion.text
+        choice.num_tokens = len(completion.token_ids)
+        choice.token_ids = completion.token_ids
+        choice.finish_reason = completion.finish_reason
+        if completion.logprobs is not None:
+            choice.logprobs = completion.logprobs
+        self.token_texts.update(item.token_texts)
+        if item.index == 0:
+            self.num_prompt_tokens = out.metrics.num_prompt_tokens
+            self.num_cached_tokens = out.metrics.num_cached_tokens
+        if self.ttft_s is None and out.metrics.first_token_time is not None:
+            self.ttft_s = time.monotonic() - self.start
+        return choice, delta
+
+    def usage(self) -> dict[str, Any]:
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_texts.get(token_id, "")
+
+    def take_logprobs(self, choice: Choice) -> tuple[int, list[TokenLogprob]]:
+        """The position of the first unsent logprob and the unsent ones (now marked sent)."""
+        start, choice.num_logprobs_sent = choice.num_logprobs_sent, len(choice.logprobs)
+        entries = []
+        for i in range(start, len(choice.logprobs)):
+            entry = choice.logprobs[i]
+            token_id = choice.token_ids[i]
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
+            entries.append(TokenLogprob(token_id, entry[token_id], top))
+        return start, entries
+
+
+class OpenAIServing:
+    """One generation route: validated request in, engine request, OpenAI JSON or SSE out.
+
+    Subclasses set the names and implement the fields their API formats differently.
+    """
+
+    object_name: str  # of the full response
+    chunk_object_name: str  # of each streamed chunk
+    id_prefix: str  # of the response id, before the engine request id
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str):
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+
+    # ---- the API-specific parts ------------------------------------------------------------
+
+    def choice_fields(self, choice: Choice) -> dict[str, Any]:
+        """A full response's choice content ("text", "message")."""
+        raise NotImplementedError
+
+    def delta_fields(self, delta: str) -> dict[str, Any]:
+        """A streamed chunk's choice content for `delta`, the choice's new text."""
+        raise NotImplementedError
+
+    def opening_choices(self, n: int) -> list[dict[str, Any]]:
+        """The choices of a chunk sent before any output; none: no such chunk."""
+        return []
+
+    def logprobs_json(
+        self, job: Job, choice: Choice, start: int, entries: list[TokenLogprob]
+    ) -> dict[str, Any]:
+        """`entries`, the logprobs of `choice`'s tokens from position `start` on."""
+        raise NotImplementedError
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        check_unsupported(body.model_extra or {})
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                400,
+                f"unknown model {body.model!r}; this server serves {self.model_name!r}",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    @staticmethod
+    def sampling_params(
+        body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        stop = body.stop if body.stop is not None else ()
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if 0.0 < temperature < _MIN_TEMPERATURE:
+            # The limit of sampling as temperature -> 0 is greedy; dividing the logits by a
+            # vanishing temperature would overflow them to inf (vLLM does the same).
+            temperature = 0.0
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            stop=stop if isinstance(stop, str) else tuple(stop),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+
+    async def generate(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        request: Request,
+        params: SamplingParams,
+        top_logprobs: int | None,
+        **inputs: Any,
+    ) -> Response:
+        """Queue the request (`inputs`: prompt= or messages=, ...) and answer it."""
+        stream = await self.engine.add_request(
+            params, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24], **inputs
+        )
+        job = Job(stream, params.n, top_logprobs)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(
+                self.stream_events(job, include_usage), media_type="text/event-stream"
+            )
+        try:
+            finished = await _until_done_or_disconnect(_collect(job), request)
+        finally:
+            job.stream.abort()  # no-op once finished
+            self.record(job)
+        if not finished:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(self.full_response(job))
+
+    def response_id(self, job: Job) -> str:
+        return self.id_prefix + job.stream.request_id
+
+    def new_logprobs(self, job: Job, choice: Choice) -> dict[str, Any] | None:
+        """The logprobs of tokens not yet sent, in the API's layout (and mark them sent)."""
+        if job.top_logprobs is None:
+            return None
+        start, entries = job.take_logprobs(choice)
+        return self.logprobs_json(job, choice, start, entries)
+
+    def full_response(self, job: Job) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                **self.choice_fields(c),
+                "logprobs": self.new_logprobs(job, c),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(job.choices)
+        ]
+        return {
+            "id": self.response_id(job),
+            "object": self.object_name,
+            "created": job.created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": job.usage(),
+        }
+
+    async def stream_events(self, job: Job, include_usage: bool) -> AsyncIterator[str]:
+        base = {
+            "id": self.response_id(job),
+            "object": self.chunk_object_name,
+            "created": job.created,
+            "model": self.model_name,
+        }
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+        try:
+            opening = self.opening_choices(job.n)
+            if opening:
+                yield event(opening)
+            async for item in job.stream:
+                choice, delta = job.update(item)
+                if not delta and choice.finish_reason is None and job.top_logprobs is None:
+                    continue
+                logprobs = self.new_logprobs(job, choice)
+                yield event(
+                    [
+                        {
+                            "index": item.index,
+                            **self.delta_fields(delta),
+                            "logprobs": logprobs,
+                            "finish_reason": choice.finish_reason,
+                        }
+                    ]
+                )
+            if include_usage:
+                yield event([], usage=job.usage())
+        except EngineDeadError as e:
+            body = error_body(str(e), "server_error", code="engine_unavailable")
+            yield f"data: {json.dumps(body)}\n\n"
+        finally:
+            job.stream.abort()  # the client left (generator closed) or an error: free the blocks
+            self.record(job)
+        yield "data: [DONE]\n\n"
+
+    def record(self, job: Job) -> None:
+        completion_tokens = sum(c.num_tokens for c in job.choices)
+        latency = time.monotonic() - job.start
+        m = self.metrics
+        m.prompt_tokens.inc(job.num_prompt_tokens)
+        m.cached_tokens.inc(job.num_cached_tokens)
+        m.generation_tokens.inc(completion_tokens)
+        m.latency.observe(latency)
+        if job.ttft_s is not None:
+            m.ttft.observe(job.ttft_s)
+        reasons = ",".join(c.finish_reason or "abort" for c in job.choices)
+        logger.info(
+            "request %s: prompt %d tokens, cached %d, completion %d, ttft %s, latency %.3f s, "
+            "finish %s",
+            job.stream.request_id,
+            job.num_prompt_tokens,
+            job.num_cached_tokens,
+            completion_tokens,
+            "-" if job.ttft_s is None else f"{job.ttft_s:.3f} s",
+            latency,
+            reasons,
+        )
+
+
+async def _collect(job: Job) -> None:
+    async for item in job.stream:
+        job.update(item)
+
+
+async def _until_done_or_disconnect(work, request: Request) -> bool:
+    """Run `work`; return False (and cancel it) if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watch_task = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task in done:
+        work_task.result()  # re-raise the engine's error
+        return True
+    return False

@@ -10,7 +10,6 @@ path) and read EngineStats and KVInfo.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,8 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from kvmemo.config import EngineConfig
-from kvmemo.connector.store_connector import StoreKVConnector
-from kvmemo.connector.tiered import TieredStore
 from kvmemo.engine.beam_driver import BeamSearchDriver
 from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
 from kvmemo.engine.cpu_malloc import keep_freed_memory
@@ -30,7 +27,7 @@ from kvmemo.engine.kv_setup import build_kv, build_kv_connector
 from kvmemo.engine.model_runner import ModelRunner
 from kvmemo.engine.sampler import Sampler
 from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
-from kvmemo.engine.stats import EngineStats, KVInfo, StoreTierStats
+from kvmemo.engine.stats import EngineStats, KVInfo, collect_stats
 from kvmemo.errors import InputError
 from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
 from kvmemo.kv.events import KVEvent
@@ -131,7 +128,6 @@ class Engine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
-        self._ids = itertools.count()
         self.num_steps = 0
         logger.info("engine ready in %.1f s on %s", time.perf_counter() - start, self.device)
 
@@ -200,9 +196,6 @@ class Engine:
             logprobs=None,
             beam_search=search,
         )
-
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
 
     def _new_request(
         self,
@@ -338,43 +331,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters, the queue and the pool (call between steps)."""
-        prefix = self.kv_manager.stats
-        extra: dict = {}
-        if self.kv_connector is not None:
-            s = self.kv_connector.stats
-            extra.update(
-                store_hit_tokens=s.hit_tokens,
-                store_miss_tokens=s.miss_tokens,
-                store_bytes_read=s.bytes_read,
-                store_bytes_written=s.bytes_written,
-                store_load_s=s.load_s,
-                store_save_s=s.save_s,
-                store_saves_dropped=s.saves_dropped,
-                store_tiers=_tier_stats(self.kv_connector),
-            )
-        encoder = self.runner.encoder_cache
-        if encoder is not None:
-            extra.update(
-                mm_encoder_images=encoder.stats.num_encoded_images,
-                mm_encoder_calls=encoder.stats.num_encoder_calls,
-                mm_encoder_cache_hits=encoder.stats.num_hits,
-                mm_encoder_cache_bytes=encoder.total_bytes,
-            )
-        return EngineStats(
-            num_steps=self.num_steps,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_running=len(self.scheduler.running),
-            num_waiting=self.num_waiting,
-            kv_num_blocks=self.kv_manager.num_blocks,
-            kv_num_free_blocks=self.kv_manager.num_free_blocks,
-            kv_usage=self.kv_manager.usage,
-            prefix_cache_queries_tokens=prefix.num_queries_tokens,
-            prefix_cache_hits_tokens=prefix.num_hit_tokens,
-            prefix_cache_partial_hit_tokens=prefix.num_partial_hit_tokens,
-            prefix_cache_hit_rate=prefix.hit_rate,
-            prefix_cache_evicted_blocks=prefix.num_evicted_blocks,
-            prefix_cache_stored_blocks=prefix.num_stored_blocks,
-            **extra,
+        return collect_stats(
+            self.num_steps, self.scheduler, self.kv_manager, self.kv_connector,
+            self.runner.encoder_cache,
         )
 
     def kv_info(self) -> KVInfo:
@@ -432,15 +391,3 @@ class Engine:
         self._publish_kv_events()
         return result
 
-
-def _tier_stats(connector: StoreKVConnector) -> tuple[StoreTierStats, ...]:
-    store = connector.store
-    if isinstance(store, TieredStore):
-        return tuple(
-            StoreTierStats(t.name, t.served_blocks, t.store.num_misses, t.num_errors)
-            for t in store.tier_stats()
-        )
-    # One store, not wrapped: every hit it counted was served.
-    name = "redis" if hasattr(store, "url") else "disk"
-    s = store.stats
-    return (StoreTierStats(name, s.num_hits, s.num_misses, getattr(store, "num_errors", 0)),)

@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvmemo.connector.tiered import TieredStore
+
+if TYPE_CHECKING:
+    from kvmemo.connector.store_connector import StoreKVConnector
+    from kvmemo.engine.encoder_cache import EncoderCache
+    from kvmemo.engine.scheduler import Scheduler
+    from kvmemo.kv.manager import KVCacheManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +85,63 @@ class KVInfo:
     hash_algorithm: str
     num_blocks: int
     kv_cache_dtype: str
+
+
+def collect_stats(
+    num_steps: int,
+    scheduler: Scheduler,
+    kv_manager: KVCacheManager,
+    connector: StoreKVConnector | None,
+    encoder_cache: EncoderCache | None,
+) -> EngineStats:
+    """An EngineStats snapshot from the engine's parts (the engine thread, between steps)."""
+    prefix = kv_manager.stats
+    extra: dict[str, Any] = {}
+    if connector is not None:
+        s = connector.stats
+        extra.update(
+            store_hit_tokens=s.hit_tokens,
+            store_miss_tokens=s.miss_tokens,
+            store_bytes_read=s.bytes_read,
+            store_bytes_written=s.bytes_written,
+            store_load_s=s.load_s,
+            store_save_s=s.save_s,
+            store_saves_dropped=s.saves_dropped,
+            store_tiers=_tier_stats(connector),
+        )
+    if encoder_cache is not None:
+        extra.update(
+            mm_encoder_images=encoder_cache.stats.num_encoded_images,
+            mm_encoder_calls=encoder_cache.stats.num_encoder_calls,
+            mm_encoder_cache_hits=encoder_cache.stats.num_hits,
+            mm_encoder_cache_bytes=encoder_cache.total_bytes,
+        )
+    return EngineStats(
+        num_steps=num_steps,
+        num_preemptions=scheduler.num_preemptions,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        kv_num_blocks=kv_manager.num_blocks,
+        kv_num_free_blocks=kv_manager.num_free_blocks,
+        kv_usage=kv_manager.usage,
+        prefix_cache_queries_tokens=prefix.num_queries_tokens,
+        prefix_cache_hits_tokens=prefix.num_hit_tokens,
+        prefix_cache_partial_hit_tokens=prefix.num_partial_hit_tokens,
+        prefix_cache_hit_rate=prefix.hit_rate,
+        prefix_cache_evicted_blocks=prefix.num_evicted_blocks,
+        prefix_cache_stored_blocks=prefix.num_stored_blocks,
+        **extra,
+    )
+
+
+def _tier_stats(connector: StoreKVConnector) -> tuple[StoreTierStats, ...]:
+    store = connector.store
+    if isinstance(store, TieredStore):
+        return tuple(
+            StoreTierStats(t.name, t.served_blocks, t.store.num_misses, t.num_errors)
+            for t in store.tier_stats()
+        )
+    # One store, not wrapped: every hit it counted was served.
+    name = "redis" if hasattr(store, "url") else "disk"
+    s = store.stats
+    return (StoreTierStats(name, s.num_hits, s.num_misses, getattr(store, "num_errors", 0)),)

@@ -77,6 +77,8 @@ class Engine:
         start = time.perf_counter()
         compute_dtype = _DTYPES[config.dtype]
         loaded = load_model(config.model, dtype=compute_dtype, device=str(self.device))
+        # Linear layers bind to the fastest kernels here (probed once per machine, cached).
+        self.linear_kernels = loaded.model.prepare_linears()
         arch = loaded.arch_config
         self.loaded = loaded  # the model, its config, tokenizer and weights fingerprint
         self.weights_fingerprint = loaded.weights_fingerprint
@@ -129,7 +131,11 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self.num_steps = 0
-        logger.info("engine ready in %.1f s on %s", time.perf_counter() - start, self.device)
+        logger.info(
+            "engine ready in %.1f s on %s (linear kernels: decode %s, prefill %s)",
+            time.perf_counter() - start, self.device,
+            self.linear_kernels.decode, self.linear_kernels.prefill,
+        )
 
     # ---- requests --------------------------------------------------------------------------
 

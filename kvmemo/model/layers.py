@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmemo.model.skinny_linear import linear
+from kvmemo.model.linear_kernels import KernelChoice, Linear
 
 
 class RMSNorm(nn.Module):
@@ -118,13 +118,21 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Two matmuls over the weight's row halves (views, no copy) rather than one over all of
+    def prepare_linears(self, choice: KernelChoice) -> None:
+        # Two products over the weight's row halves (views, no copy) rather than one over all of
         # it: MKL runs the [T, 576] x [576, 3072] shape ~25% below its [.., 1536] rate on CPU
         # (measured: MLP 74.6 -> 63.3 ms at T=1,024, 3.1 -> 2.8 ms at T=32, one thread), and the
         # in-place silu/mul spares two [T, I] temporaries.
-        # linear(): decode steps' few rows go through a kernel that streams each weight once.
         weight = self.gate_up_proj.weight
-        gate = linear(x, weight[: self.intermediate_size])  # [T, I]
-        up = linear(x, weight[self.intermediate_size :])
-        return linear(F.silu(gate, inplace=True).mul_(up), self.down_proj.weight)  # [T, hidden]
+        self.gate = Linear(weight[: self.intermediate_size], None, choice)
+        self.up = Linear(weight[self.intermediate_size :], None, choice)
+        self.down = Linear(self.down_proj.weight, None, choice)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        weight, size = self.gate_up_proj.weight, self.intermediate_size
+        return [weight[:size], weight[size:], self.down_proj.weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate(x)  # [T, I]
+        up = self.up(x)
+        return self.down(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]

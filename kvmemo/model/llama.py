@@ -14,7 +14,8 @@ from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
-from kvmemo.model.skinny_linear import linear
+from kvmemo.model.linear_kernels import KernelChoice, Linear
+from kvmemo.model.linear_probe import choose_kernels
 
 # attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,6 +40,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
+    def prepare_linears(self, choice: KernelChoice) -> None:
+        self.qkv = Linear(self.qkv_proj.weight, self.qkv_proj.bias, choice)
+        self.o = Linear(self.o_proj.weight, self.o_proj.bias, choice)
+        self.mlp.prepare_linears(choice)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        return [self.qkv_proj.weight, self.o_proj.weight, *self.mlp.linear_weights()]
+
     def forward(
         self,
         layer_idx: int,
@@ -49,7 +58,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         normed = self.input_layernorm(hidden)
-        qkv = linear(normed, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2*KV) * D]
+        qkv = self.qkv(normed)  # [T, (H + 2*KV) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -57,7 +66,7 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = attention(layer_idx, q, k, v)  # [T, H, D]
-        out = linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        out = self.o(out.reshape(num_tokens, self.q_size))
         hidden = hidden + out  # [T, hidden]
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -83,6 +92,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.linear_choice: KernelChoice | None = None  # set by prepare_linears
+
+    def prepare_linears(self, choice: KernelChoice | None = None) -> KernelChoice:
+        """Binds every projection to its kernels: `choice`, else the fastest on this machine
+        (linear_probe, cached per machine). Call after the weights are final; the first forward
+        does it when nobody did. Returns the choice."""
+        if choice is None:
+            layers = [cast(DecoderLayer, layer) for layer in self.layers]
+            weights = [w for layer in layers for w in layer.linear_weights()]
+            choice = choose_kernels(weights, self.embed_tokens.weight.device)
+        for layer in self.layers:
+            cast(DecoderLayer, layer).prepare_linears(choice)
+        self.head = Linear(self.lm_head.weight, None, choice)
+        self.linear_choice = choice
+        return choice
+
+    def _require_linears(self) -> None:
+        if self.linear_choice is None:
+            self.prepare_linears()
 
     @classmethod
     def from_state_dict(
@@ -132,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids and positions must both be 1-D [T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
+        self._require_linears()
         # [T, hidden]
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # each [T, 1, D/2]
@@ -142,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        return linear(hidden, self.lm_head.weight).float()
+        self._require_linears()
+        return self.head(hidden).float()
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
@@ -159,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
             src = torch.cat([state_dict[n].to(dst.dtype) for n in names], dim=0)  # [sum(out), ...]
             _check_shape(names, src, dst)
             dst.copy_(src)
+        self.linear_choice = None  # packed copies of the old weights are stale: bind anew
 
     def hf_weight_names(self) -> list[str]:
         """Every HF checkpoint key this config requires."""

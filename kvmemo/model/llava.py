@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
+from kvmemo.model.linear_kernels import KernelChoice
 from kvmemo.model.llama import AttentionFn, LlamaForCausalLM
 from kvmemo.model.vision import VisionConfig, VisionTower, activation, adopt_weights
 
@@ -173,6 +174,9 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    def prepare_linears(self, choice: KernelChoice | None = None) -> KernelChoice:
+        return self.language_model.prepare_linears(choice)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

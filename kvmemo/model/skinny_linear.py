@@ -38,6 +38,11 @@ def _kernel() -> Callable[..., None] | None:
     return fn
 
 
+def kernel_available() -> bool:
+    """The C kernel built and loaded on this machine (else linear() always uses F.linear)."""
+    return _kernel() is not None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N]; any other shape goes to F.linear."""
     if (

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvmemo import SamplingParams
+from kvmemo.model.linear_kernels import KernelChoice, kernel_usable
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS
 from tests.helpers import assert_all_blocks_free
 
@@ -59,6 +60,30 @@ def test_greedy_matches_hf_in_one_batch(llm, prompt_token_ids, hf_tokens):
     llm.reset_prefix_cache()
     outs = llm.generate(prompt_token_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [KernelChoice("torch", "torch"), KernelChoice("onednn", "onednn"),
+     KernelChoice("skinny", "onednn"), KernelChoice("skinny", "torch")],
+    ids=lambda c: f"decode-{c.decode}-prefill-{c.prefill}",
+)
+def test_greedy_matches_hf_in_every_kernel_choice(llm, prompt_token_ids, hf_tokens, choice):
+    """The probe may pick any of these on some machine: each must give HF's tokens."""
+    model = llm.engine.loaded.model
+    for name in {choice.decode, choice.prefill}:
+        if not kernel_usable(name, torch.float32, torch.device("cpu")):
+            pytest.skip(f"kernel {name} is not available here")
+    probed = model.linear_choice
+    model.prepare_linears(choice)
+    try:
+        assert model.layers[0].qkv.choice == choice  # bound as forced, nothing fell back
+        llm.reset_prefix_cache()
+        outs = llm.generate(prompt_token_ids, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    finally:
+        model.prepare_linears(probed)
     assert_all_blocks_free(llm)
 
 

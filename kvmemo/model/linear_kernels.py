@@ -1,0 +1,100 @@
+"""Linear layers through the fastest kernel this machine has, per dtype and shape class.
+
+Invariant: every kernel computes x @ W^T (+ b) to the dtype's rounding (only the summation order
+differs), so the choice changes speed, never the product. Kernels:
+- "torch": F.linear (MKL or OpenBLAS on CPU, cuBLAS on CUDA); every shape, every device.
+- "onednn": oneDNN's matmul on a weight reordered once into its blocked layout (what vLLM's CPU
+  backend calls). On AMD CPUs MKL takes a generic path: oneDNN ran fp32 2.1x faster at 2,048 rows
+  and 3.6x at 32 (Zen 5, measured, see docs/benchmarks.md).
+- "skinny": kvmemo's C kernel streaming each weight row once (fp32, at most 32 rows).
+A `Linear` holds one weight and the kernels chosen for its two shape classes: "decode" (at most
+DECODE_ROWS rows: decode steps, logits) and "prefill" (more rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvmemo.model import skinny_linear
+
+KERNELS = ("torch", "onednn", "skinny")
+DECODE_ROWS = skinny_linear.MAX_ROWS  # the few-row class: decode steps and logits
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel for each shape class."""
+
+    decode: str = "torch"
+    prefill: str = "torch"
+
+    def __post_init__(self) -> None:
+        for name in (self.decode, self.prefill):
+            if name not in KERNELS:
+                raise ValueError(f"linear kernel must be one of {list(KERNELS)}, got {name!r}")
+        if self.prefill == "skinny":
+            raise ValueError("the skinny kernel serves at most 32 rows: not a prefill choice")
+
+
+def onednn_available(dtype: torch.dtype) -> bool:
+    """oneDNN's CPU matmul exists in this torch build for `dtype`."""
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def kernel_usable(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    if name == "torch":
+        return True
+    if device.type != "cpu":
+        return False
+    if name == "onednn":
+        return onednn_available(dtype)
+    return dtype == torch.float32 and skinny_linear.kernel_available()
+
+
+def _onednn_matmul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear:
+    """x [..., K] -> [..., N] by one weight [N, K] (+ bias), through the chosen kernels.
+
+    Holds the weight's oneDNN-packed copy when a chosen kernel reads it (made once, here).
+    The weight must not change after construction: the packed copy would go stale.
+    """
+
+    __slots__ = ("weight", "bias", "choice", "_packed")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice
+    ) -> None:
+        device, dtype = weight.device, weight.dtype
+        # A kernel this weight cannot use (CUDA, fp16, no C compiler) falls back to torch.
+        choice = KernelChoice(
+            decode=choice.decode if kernel_usable(choice.decode, dtype, device) else "torch",
+            prefill=choice.prefill if kernel_usable(choice.prefill, dtype, device) else "torch",
+        )
+        self.weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.choice = choice
+        self._packed: torch.Tensor | None = None
+        if "onednn" in (choice.decode, choice.prefill):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        kernel = self.choice.decode if rows <= DECODE_ROWS else self.choice.prefill
+        if kernel == "onednn" and x.dtype == self.weight.dtype:
+            assert self._packed is not None
+            return _onednn_matmul(x, self._packed, self.bias)
+        if kernel == "skinny" and x.dim() == 2:
+            return skinny_linear.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

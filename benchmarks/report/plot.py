@@ -15,9 +15,11 @@ IMAGES = DOCS / "img"
 
 
 def label(result: dict) -> str:
-    """Engine name plus what distinguishes its runs (prefix caching off, online mode)."""
+    """Engine name plus what distinguishes its runs (bf16 compute, prefix caching off)."""
     name = result["engine"]
     options = result.get("options") or {}
+    if options.get("dtype") == "bfloat16":
+        name += " bf16"
     if options.get("enable_prefix_caching") is False or options.get("prefix_caching") is False \
             or ("prompt_cache" in options and options["prompt_cache"] is None):
         name += " (no prefix cache)"

@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix reuse off")
     parser.add_argument("--kv-store", default=None, help="kvmemo only: a persistent store (W4)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype (kvmemo, vllm; llama.cpp runs the GGUF's own types)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.rate <= 0:
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     runner: EngineRunner = importlib.import_module(ENGINES[args.engine]).make_runner(
         model=args.model, prefix_caching=not args.no_prefix_caching, threads=args.threads,
-        kv_store=args.kv_store)
+        kv_store=args.kv_store, dtype=args.dtype)
     runner.startup_s = time.perf_counter() - start
     runner.warm_up()
     start = time.perf_counter()

@@ -2,6 +2,12 @@
 
     python -m benchmarks.runners.run_suite         # kvmemo: W0 (caching on and off), W1, W2, W4
     python -m benchmarks.runners.run_suite --engines llama.cpp,hf,vllm  # peers, in their venvs
+    python -m benchmarks.runners.run_suite --engines kvmemo,vllm --workloads W1,W2 \
+        --dtypes float32,bfloat16   # each dtype beside the same dtype
+
+Peers run as their own documentation advises: vLLM-CPU with tcmalloc and the Intel OpenMP of
+its own venv preloaded, OpenMP threads bound to the cores it may use and a KV space set (its
+CPU install guide); llama.cpp with one thread per core (its best setting on 2 cores, n_batch 512).
 
 Invariant: each run is its own process (no warm state leaks between engines or into W4's second
 run), results land in benchmarks/results/peers/, and docs/benchmarks.md is regenerated from them.
@@ -31,6 +37,8 @@ SETUP_SCRIPT = {"llama.cpp": "setup_llamacpp.sh", "hf": "setup_hf.sh", "vllm": "
 # Which workloads each engine runs: sequential peers are slow and vLLM takes ~2.5 min to start,
 # so peers run the workloads the goals compare (W1, W2); kvmemo also runs W0 on and off (the
 # cost of caching at a 0% hit rate) and W4 (restart on a disk store).
+# Engines with a compute dtype of their own choosing; llama.cpp runs the GGUF's types, HF fp32.
+DTYPE_ENGINES = ("kvmemo", "vllm")
 PLAN = {
     "kvmemo": [("W0", True), ("W0", False), ("W1", True), ("W1", False), ("W2", True), ("W4", True)],
     "llama.cpp": [("W1", True), ("W2", True)],
@@ -40,14 +48,15 @@ PLAN = {
 
 
 def run(engine: str, workload: str, caching: bool, workload_dir: Path, model: str, mode: str,
-        extra: list[str] | None = None, out: Path | None = None) -> None:
+        extra: list[str] | None = None, out: Path | None = None, dtype: str = "float32") -> None:
     python = sys.executable if engine == "kvmemo" else str(PEER_PYTHON[engine])
     if not Path(python).exists():
         raise SystemExit(f"{python} is missing: run benchmarks/peers/{SETUP_SCRIPT[engine]} first")
-    suffix = "" if caching else "-nocache"
+    suffix = ("" if caching else "-nocache") + ("" if dtype == "float32" else f"-{dtype}")
     out = out or PEER_RESULTS / f"{engine}-{workload}-{mode}{suffix}.json"
     cmd = [python, "-m", "benchmarks.runners.run", "--engine", engine, "--workload", workload,
-           "--mode", mode, "--workload-dir", str(workload_dir), "--model", model, "--out", str(out), *(extra or [])]
+           "--mode", mode, "--workload-dir", str(workload_dir), "--model", model, "--out", str(out),
+           "--dtype", dtype, *(extra or [])]
     if not caching:
         cmd.append("--no-prefix-caching")
     print("$", " ".join(cmd), flush=True)
@@ -60,14 +69,20 @@ def module(args: list[str]) -> None:
 
 
 def engine_env(engine: str) -> dict[str, str]:
-    """The environment each engine is run with: vLLM as its CPU docs advise (a KV space, and
-    tcmalloc preloaded when installed; setup_vllm.sh installs it where apt-get works)."""
+    """The environment each engine is run with. vLLM as its CPU install guide advises: tcmalloc
+    and the Intel OpenMP runtime shipped in its own venv preloaded, its OpenMP threads bound to
+    the cores (VLLM_CPU_OMP_THREADS_BIND), a KV cache space. On Zen 5, W1 fp32 took 3.2 s this way;
+    with tcmalloc alone (this suite's earlier setting) it had taken 6.3 s. setup_vllm.sh installs tcmalloc where apt-get
+    works; a missing library is reported, since the result would be a handicapped peer."""
     env = dict(os.environ)
     if engine == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        tcmalloc = sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so*"))
-        if tcmalloc:
-            env["LD_PRELOAD"] = tcmalloc[0]
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        preload = sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))[:1]
+        preload += sorted(glob.glob(str(PEERS / ".venv-vllm" / "lib" / "libiomp5.so")))[:1]
+        if len(preload) < 2:
+            print(f"warning: vLLM runs without its advised preloads (found {preload})", flush=True)
+        env["LD_PRELOAD"] = ":".join(preload)
     return env
 
 
@@ -78,6 +93,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (smoke runs)")
     parser.add_argument("--online-rate", type=float, default=None,
                         help="also run W1 online at this many requests per second")
+    parser.add_argument("--dtypes", default="float32",
+                        help="comma-separated compute dtypes for kvmemo and vLLM: float32,bfloat16")
     args = parser.parse_args()
     from kvmemo.model.loader import bundled_model_path
 
@@ -89,8 +106,13 @@ def main() -> None:
         if engine not in PLAN:
             raise SystemExit(f"--engines takes {sorted(PLAN)}, got {engine!r}")
         model = str(PEERS / "hf-smollm2-fp32") if engine == "vllm" else gguf
+        dtypes = args.dtypes.split(",") if engine in DTYPE_ENGINES else ["float32"]
         for workload, caching in PLAN[engine]:
             if wanted and workload not in wanted:
+                continue
+            if workload not in ("W0", "W4"):  # W0 and W4 measure caching, not the dtype
+                for dtype in dtypes:
+                    run(engine, workload, caching, workload_dir, model, "offline", dtype=dtype)
                 continue
             if workload == "W4":  # fill a fresh disk store in one process, measure in the next
                 store = Path(tempfile.mkdtemp(prefix="kvmemo-w4-"))

@@ -145,6 +145,42 @@ def test_cascade_matches_reference_on_random_shared_prefix_batches(any_prefix, g
         )
 
 
+@pytest.mark.parametrize(
+    "computed_own,new,batched",
+    [
+        ([0] * 6, [32] * 6, True),  # W1's second step: equal chunks over the prefix, one call
+        ([0, 3, 1, 2], [6, 9, 7, 8], True),  # ragged chunks, some own tokens already cached
+        ([0, 0, 5], [1, 12, 11], True),  # a decode beside two chunks: batched chunks + decode
+        ([0, 0, 0], [2, 2, 90], False),  # padding would triple the scores: one call each
+    ],
+)
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_chunks_are_batched_when_it_pays_and_match_the_reference(
+    any_prefix, monkeypatch, computed_own, new, batched, group
+):
+    calls = []
+    real = cascade._batched_prefill_suffix
+    monkeypatch.setattr(
+        cascade, "_batched_prefill_suffix", lambda *a: calls.append(len(a[4])) or real(*a)
+    )
+    block_size, prefix_blocks = 8, 3
+    prefix_len = prefix_blocks * block_size
+    torch.manual_seed(len(new) + group)
+    q, k_cache, v_cache, md = build_batch(
+        prefix_blocks=prefix_blocks,
+        block_size=block_size,
+        group=group,
+        computed=[prefix_len + c for c in computed_own],
+        new=new,
+        rng=random.Random(7),
+    )
+    expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+    got = paged_attention(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    num_chunks = sum(n > 1 for n in new)
+    assert calls == ([num_chunks] if batched else [])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_an_ascending_prefix_is_read_in_place(any_prefix, monkeypatch, dtype):
     """Consecutive shared block ids: attention reads the prefix's pages as a view (no gather of

@@ -42,12 +42,17 @@ class HFRunner(EngineRunner):
         return out[0, len(prompt_token_ids):].tolist(), clock.first_token_at, None
 
 
-def make_runner(*, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None) -> HFRunner:
+def make_runner(
+    *, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None,
+    dtype: str = "float32",
+) -> HFRunner:
     import torch
     from transformers import AutoModelForCausalLM
 
     if model is None:
         raise SystemExit("--model PATH.gguf is required for the hf engine")
+    if dtype != "float32":
+        raise SystemExit("the hf reference runs float32 only")
     torch.set_num_threads(threads)
     path = Path(model)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

@@ -25,10 +25,13 @@ class KvmemoRunner(EngineRunner):
                  out.metrics.num_cached_tokens) for out in self.engine.step()]
 
 
-def make_runner(*, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None) -> KvmemoRunner:
+def make_runner(
+    *, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None,
+    dtype: str = "float32",
+) -> KvmemoRunner:
     from kvmemo.config import EngineConfig
     from kvmemo.engine import Engine
 
     options = {"model": model, "enable_prefix_caching": prefix_caching, "num_threads": threads,
-               "kv_store": kv_store}
+               "kv_store": kv_store, "dtype": dtype}
     return KvmemoRunner(Engine(EngineConfig.from_kwargs(**options)), options)

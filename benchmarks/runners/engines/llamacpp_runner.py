@@ -44,7 +44,10 @@ class LlamaCppRunner(EngineRunner):
         return token_ids, first_token_at, None
 
 
-def make_runner(*, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None) -> LlamaCppRunner:
+def make_runner(
+    *, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None,
+    dtype: str = "float32",
+) -> LlamaCppRunner:
     import llama_cpp
 
     if model is None:

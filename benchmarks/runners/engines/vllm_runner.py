@@ -23,11 +23,14 @@ class VLLMRunner(EngineRunner):
                  getattr(out, "num_cached_tokens", None)) for out in self.engine.step()]
 
 
-def make_runner(*, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None) -> VLLMRunner:
+def make_runner(
+    *, model: str | None, prefix_caching: bool, threads: int, kv_store: str | None,
+    dtype: str = "float32",
+) -> VLLMRunner:
     from vllm import LLM
 
     if model is None:
         raise SystemExit("--model HF_DIR is required for vllm (an fp32 checkpoint converted from the "
                          "GGUF by benchmarks/peers/setup_vllm.sh)")
-    llm = LLM(model=model, dtype="float32", enable_prefix_caching=prefix_caching, max_model_len=8192)
-    return VLLMRunner(llm, {"model": model, "dtype": "float32", "enable_prefix_caching": prefix_caching})
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=prefix_caching, max_model_len=8192)
+    return VLLMRunner(llm, {"model": model, "dtype": dtype, "enable_prefix_caching": prefix_caching})

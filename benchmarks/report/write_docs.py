@@ -188,19 +188,19 @@ def peers_section() -> str:
         if not table:
             continue
         lines += [f"### {mode}\n", "| workload | engine | wall s | output tok/s | TTFT p50 s | TTFT p90 s | "
-                  "prompt tokens | cached | start-up s | version |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "prompt tokens | cached | start-up s | version | machine, date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for workload, engines in table.items():
             for engine, r in sorted(engines.items()):
                 cached = "n/a" if r["cached_prompt_tokens"] is None else f"{r['cached_prompt_tokens']:,}"
                 lines.append(
                     f"| {workload} | {engine} | {r['wall_s']:.2f} | {r['output_tok_s']:.1f} | "
                     f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['prompt_tokens']:,} | {cached} | "
-                    f"{r['startup_s']:.1f} | {r['engine_version']} |")
+                    f"{r['startup_s']:.1f} | {r['engine_version']} | {r['machine']['cpu']}, "
+                    f"{r['machine']['date'][:10]} |")
         lines.append("")
-    any_result = next(iter(next(iter(load_results("offline").values()), {}).values()), None)
-    if any_result:
-        m = any_result["machine"]
-        lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}; {m['date']}.\n")
+    lines.append("Compare rows only within one machine and date (one sitting); every machine has "
+                 "2 cores.\n")
     for image in ("bench_throughput.png", "bench_ttft.png"):
         if (DOCS / "img" / image).is_file():
             lines.append(f"![{image}](img/{image})\n")

@@ -71,9 +71,10 @@ def module(args: list[str]) -> None:
 def engine_env(engine: str) -> dict[str, str]:
     """The environment each engine is run with. vLLM as its CPU install guide advises: tcmalloc
     and the Intel OpenMP runtime shipped in its own venv preloaded, its OpenMP threads bound to
-    the cores (VLLM_CPU_OMP_THREADS_BIND), a KV cache space. On Zen 5, W1 fp32 took 3.2 s this way;
-    with tcmalloc alone (this suite's earlier setting) it had taken 6.3 s. setup_vllm.sh installs tcmalloc where apt-get
-    works; a missing library is reported, since the result would be a handicapped peer."""
+    the cores (VLLM_CPU_OMP_THREADS_BIND), a KV cache space. On Zen 5, W1 fp32 took 3.2 s
+    this way; with tcmalloc alone (this suite's earlier setting) 5.7 s. setup_vllm.sh installs
+    tcmalloc where apt-get works; a missing library is reported, since the result would be a
+    handicapped peer."""
     env = dict(os.environ)
     if engine == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")

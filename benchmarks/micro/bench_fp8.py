@@ -52,6 +52,8 @@ CONFIGS = [  # (label, kv_cache_dtype, fp8 transform: calibrated, rotated, scale
     ("fp8_e4m3 + rotation", "fp8_e4m3", "rotated"),
     ("fp8_e4m3 scales only", "fp8_e4m3", "scales only"),
     ("fp8_e4m3 unscaled", "fp8_e4m3", "unscaled"),
+    # Not a KV dtype: bf16 compute (weights, activations and KV in bf16) against fp32 compute.
+    ("bf16 compute", "auto", "compute:bfloat16"),
 ]
 
 
@@ -133,7 +135,9 @@ def main() -> int:
     rows, tokens = {}, {}
     for label, kv_dtype, transform in configs:
         start = time.perf_counter()
-        llm = LLM(kv_cache_dtype=kv_dtype, num_blocks=256, enable_prefix_caching=False)
+        compute = transform.removeprefix("compute:") if transform.startswith("compute:") else None
+        llm = LLM(kv_cache_dtype=kv_dtype, num_blocks=256, enable_prefix_caching=False,
+                  dtype=compute or "float32")
         cache = llm.engine.runner.kv_cache
         if transform == "unscaled":  # set_scales without offsets or rotation: zero and identity
             cache.set_scales(torch.ones_like(cache.k_scales), torch.ones_like(cache.v_scales))

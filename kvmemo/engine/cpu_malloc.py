@@ -56,6 +56,21 @@ def keep_freed_memory(libc: _Mallopt | None = None, environ: dict[str, str] | No
     return True
 
 
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the system now (glibc's malloc_trim); True if done.
+
+    For a one-off release at start (the plain weights dropped once oneDNN holds packed copies):
+    the raised trim threshold would otherwise keep those pages in the process for good.
+    """
+    libc = _load_glibc()
+    if libc is None:
+        return False
+    trim = libc.malloc_trim  # type: ignore[attr-defined]
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
 def _load_glibc() -> _Mallopt | None:
     name = ctypes.util.find_library("c")
     if name is None:

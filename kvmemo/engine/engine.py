@@ -20,7 +20,7 @@ import torch
 from kvmemo.config import EngineConfig
 from kvmemo.engine.beam_driver import BeamSearchDriver
 from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
-from kvmemo.engine.cpu_malloc import keep_freed_memory
+from kvmemo.engine.cpu_malloc import keep_freed_memory, return_freed_memory
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.kv_setup import build_kv, build_kv_connector
@@ -79,6 +79,8 @@ class Engine:
         loaded = load_model(config.model, dtype=compute_dtype, device=str(self.device))
         # Linear layers bind to the fastest kernels here (probed once per machine, cached).
         self.linear_kernels = loaded.model.prepare_linears()
+        if self.device.type == "cpu":
+            return_freed_memory()  # plain weights oneDNN no longer reads
         arch = loaded.arch_config
         self.loaded = loaded  # the model, its config, tokenizer and weights fingerprint
         self.weights_fingerprint = loaded.weights_fingerprint

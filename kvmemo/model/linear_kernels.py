@@ -68,10 +68,12 @@ class Linear:
     """x [..., K] -> [..., N] by one weight [N, K] (+ bias), through the chosen kernels.
 
     Holds the weight's oneDNN-packed copy when a chosen kernel reads it (made once, here).
-    The weight must not change after construction: the packed copy would go stale.
+    The weight must not change after construction: the packed copy would go stale. When oneDNN
+    serves both classes the plain weight can be released (release_plain): the packed copy is
+    then the only one, and dense() rebuilds the plain one exactly.
     """
 
-    __slots__ = ("weight", "bias", "choice", "_packed")
+    __slots__ = ("weight", "bias", "choice", "_packed", "_dtype")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice
@@ -82,19 +84,38 @@ class Linear:
             decode=choice.decode if kernel_usable(choice.decode, dtype, device) else "torch",
             prefill=choice.prefill if kernel_usable(choice.prefill, dtype, device) else "torch",
         )
-        self.weight = weight.detach()
+        self.weight: torch.Tensor | None = weight.detach()
+        self._dtype = weight.dtype
         self.bias = None if bias is None else bias.detach()
         self.choice = choice
         self._packed: torch.Tensor | None = None
         if "onednn" in (choice.decode, choice.prefill):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+    @property
+    def packed_only(self) -> bool:
+        """oneDNN's packed copy serves every shape class: the plain weight is not read."""
+        return self.choice.decode == self.choice.prefill == "onednn"
+
+    def release_plain(self) -> None:
+        """Drops this object's reference to the plain weight (only when packed_only)."""
+        if not self.packed_only:
+            raise ValueError("the plain weight is read by a chosen kernel; it cannot be released")
+        self.weight = None
+
+    def dense(self) -> torch.Tensor:
+        """The plain weight [N, K]: held, or rebuilt (exactly) from the packed copy."""
+        if self.weight is not None:
+            return self.weight
+        assert self._packed is not None
+        return self._packed.to_dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         kernel = self.choice.decode if rows <= DECODE_ROWS else self.choice.prefill
-        if kernel == "onednn" and x.dtype == self.weight.dtype:
+        if kernel == "onednn" and x.dtype == self._dtype:
             assert self._packed is not None
             return _onednn_matmul(x, self._packed, self.bias)
         if kernel == "skinny" and x.dim() == 2:
-            return skinny_linear.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return skinny_linear.linear(x, self.dense(), self.bias)
+        return F.linear(x, self.dense(), self.bias)

@@ -150,7 +150,7 @@ def _measure(weights: Sequence[torch.Tensor]) -> tuple[KernelChoice, dict[str, f
 @torch.inference_mode()
 def _time(linears: list[Linear], rows: int, dtype: torch.dtype) -> float:
     """Seconds for one pass over every weight, best of a few (after a warm-up pass)."""
-    inputs = [torch.randn(rows, lin.weight.shape[1]).to(dtype) for lin in linears]
+    inputs = [torch.randn(rows, lin.dense().shape[1]).to(dtype) for lin in linears]
     best = float("inf")
     for repeat in range(4):
         start = time.perf_counter()

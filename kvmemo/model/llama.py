@@ -93,11 +93,18 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
+        self._plain_released = False
 
     def prepare_linears(self, choice: KernelChoice | None = None) -> KernelChoice:
         """Binds every projection to its kernels: `choice`, else the fastest on this machine
         (linear_probe, cached per machine). Call after the weights are final; the first forward
-        does it when nobody did. Returns the choice."""
+        does it when nobody did. Returns the choice.
+
+        Where oneDNN serves both shape classes, its packed copies are the only weights read, so
+        the plain ones are released (the projections' weight memory is held once, not twice);
+        binding again to a kernel that reads them rebuilds them exactly from the packed copies.
+        """
+        self._restore_plain_weights()
         if choice is None:
             layers = [cast(DecoderLayer, layer) for layer in self.layers]
             weights = [w for layer in layers for w in layer.linear_weights()]
@@ -106,7 +113,41 @@ class LlamaForCausalLM(nn.Module):
             cast(DecoderLayer, layer).prepare_linears(choice)
         self.head = Linear(self.lm_head.weight, None, choice)
         self.linear_choice = choice
+        self._release_plain_weights()
         return choice
+
+    def _projections(self) -> list[tuple[nn.Linear, list[Linear]]]:
+        """Each projection module and the Linears over its weight (gate and up share one);
+        the lm_head only when it is not the embedding table (which lookups read)."""
+        pairs: list[tuple[nn.Linear, list[Linear]]] = []
+        for layer in self.layers:
+            layer = cast(DecoderLayer, layer)
+            mlp = layer.mlp
+            pairs += [(layer.qkv_proj, [layer.qkv]), (layer.o_proj, [layer.o]),
+                      (mlp.gate_up_proj, [mlp.gate, mlp.up]), (mlp.down_proj, [mlp.down])]
+        if self.lm_head.weight is not self.embed_tokens.weight:
+            pairs.append((self.lm_head, [self.head]))
+        return pairs
+
+    def _release_plain_weights(self) -> None:
+        pairs = self._projections()
+        if not all(lin.packed_only for _, linears in pairs for lin in linears):
+            return
+        with torch.no_grad():
+            for module, linears in pairs:
+                for lin in linears:
+                    lin.release_plain()
+                weight = module.weight
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self._plain_released = True
+
+    def _restore_plain_weights(self) -> None:
+        if not self._plain_released:
+            return
+        with torch.no_grad():
+            for module, linears in self._projections():
+                module.weight.data = torch.cat([lin.dense() for lin in linears]).contiguous()
+        self._plain_released = False
 
     def _require_linears(self) -> None:
         if self.linear_choice is None:
@@ -185,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
         ignored) when embeddings are tied; `rotary_emb.inv_freq` buffers are ignored.
         """
         self._check_keys(state_dict)
+        self._restore_plain_weights()
         for dst, names in self._weight_plan():
             src = torch.cat([state_dict[n].to(dst.dtype) for n in names], dim=0)  # [sum(out), ...]
             _check_shape(names, src, dst)

@@ -143,3 +143,47 @@ def test_environment_forces_a_kernel(probe_cache, monkeypatch):
     with pytest.raises(ValueError, match="KVMEMO_LINEAR_KERNEL"):
         linear_probe.choose_kernels(small_weights(), CPU)
     assert measured == []
+
+
+def tiny_model(tie: bool):
+    from kvmemo.model.config import ModelArchConfig
+    from kvmemo.model.llama import LlamaForCausalLM
+    from tests.model.tiny import tiny_hf_model
+
+    hf = tiny_hf_model("llama")
+    config = ModelArchConfig.from_hf_config({**hf.config.to_dict(), "tie_word_embeddings": tie})
+    state = hf.state_dict()
+    if not tie:
+        state["lm_head.weight"] = state["lm_head.weight"] + 0.01  # a head of its own
+    return LlamaForCausalLM.from_state_dict(config, state)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_onednn_everywhere_releases_the_plain_weights_and_rebinding_restores_them(tie):
+    usable_or_skip("onednn", torch.float32)
+    from tests.model.tiny import caching_attention
+
+    model = tiny_model(tie)
+    plain = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.arange(3, 40)
+    model.prepare_linears(KernelChoice("torch", "torch"))
+    expected = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
+
+    model.prepare_linears(KernelChoice("onednn", "onednn"))
+    projections = [n for n in plain if n.endswith("proj.weight") or (n == "lm_head.weight" and not tie)]
+    assert projections and all(model.get_parameter(n).numel() == 0 for n in projections)
+    assert model.embed_tokens.weight.numel() > 0  # read by lookups (and by a tied head)
+    got = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+    model.prepare_linears(KernelChoice("skinny", "torch"))  # reads plain weights again
+    for name, value in plain.items():
+        assert torch.equal(model.get_parameter(name), value), name  # rebuilt exactly
+    again = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
+    torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_reads_the_plain_weight_keeps_it():
+    lin = Linear(torch.randn(8, 4), None, KernelChoice("skinny", "onednn"))
+    with pytest.raises(ValueError, match="cannot be released"):
+        lin.release_plain()

@@ -75,6 +75,23 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         help="per-request seed for reproducible sampling",
     )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0,
+        help="divide (or, if negative, multiply) the logits of tokens already in the prompt or "
+        "output by this (default: 1 = off)",
+    )
+    g.add_argument(
+        "--presence-penalty", type=float, default=0.0,
+        help="subtract this from every token the output already holds, in [-2, 2] (default: 0)",
+    )
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0,
+        help="subtract this per occurrence in the output, in [-2, 2] (default: 0)",
+    )
+    g.add_argument(
+        "--min-tokens", type=int, default=0,
+        help="EOS and stop tokens cannot end the output before this many tokens (default: 0)",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,6 +122,10 @@ def _sampling_params(args: argparse.Namespace):
         top_k=args.top_k,
         seed=args.seed,
         stop=tuple(args.stop or ()),
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
     )
 
 

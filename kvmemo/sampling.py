@@ -30,6 +30,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs to return for each sampled position
+    # Penalties and biases, with vLLM's names and meanings, applied to the logits before
+    # temperature and the cuts (logprobs stay the model's own):
+    # tokens seen in the prompt or the output: logit / p if positive, logit * p if not (1 = off)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # minus this once for every token the output holds, [-2, 2]
+    frequency_penalty: float = 0.0  # minus this per occurrence in the output, [-2, 2]
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
 
     def __post_init__(self) -> None:
         n = self.n
@@ -71,6 +79,38 @@ class SamplingParams:
             self.seed is None or isinstance(self.seed, int),
             f"seed must be an integer or None, got {self.seed!r}",
         )
+        _check(
+            "repetition_penalty",
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and -2.0 <= value <= 2.0,
+                   f"{name} must be in [-2, 2], got {value!r}")
+        bias = self.logit_bias
+        _check(
+            "logit_bias",
+            bias is None or (isinstance(bias, dict) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and _is_number(b) and -100.0 <= b <= 100.0 for t, b in bias.items()
+            )),
+            f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got {bias!r}",
+        )
+        _check(
+            "min_tokens",
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+            f"got {self.min_tokens!r}",
+        )
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any logit processing before sampling (penalties, biases, a minimum length)."""
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0
+        )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -94,6 +134,10 @@ class SamplingParams:
 
 
 _MIN_TEMPERATURE = 1e-5
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _check(param: str, ok: bool, message: str) -> None:

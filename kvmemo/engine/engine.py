@@ -124,7 +124,7 @@ class Engine:
         self.runner = ModelRunner(
             loaded.model,
             kv_cache,
-            Sampler(config.seed, self.device),
+            Sampler(config.seed, self.device, self.eos_token_ids),
             scale=arch.head_dim**-0.5,
             device=self.device,
             kv_connector=self.kv_connector,
@@ -152,6 +152,12 @@ class Engine:
         """Validate and queue one sequence (params.n must be 1: see add_requests)."""
         if params.n != 1:
             raise ValueError("add_request runs one sequence; add params.per_sample() instead")
+        vocab = self.processor.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InputError(
+                "logit_bias", f"logit_bias token ids must be in [0, {vocab}), got "
+                f"{max(params.logit_bias)}"
+            )
         request = self._new_request(request_id, prompt, params, cache_salt)
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(

@@ -1,11 +1,14 @@
 """Sampler: the next token of every sampling sequence in a step, from its logits row.
 
 Invariant: a request with a seed draws from its own generator, seeded from (seed, step), so its
-tokens do not depend on what else is in the batch.
+tokens do not depend on what else is in the batch; penalties and biases change only their own
+row's logits (logprobs report the model's own distribution, as vLLM's default does).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,27 +23,108 @@ class SampledToken:
     top_logprobs: dict[int, float] | None  # top-k alternatives, when logprobs > 0
 
 
+logger = logging.getLogger(__name__)
+
+_MAX_LOGIT = 1e30
+
+# (prompt token ids, output token ids so far) of one sequence: what its penalties count.
+TokenHistory = tuple[Sequence[int], Sequence[int]]
+
+
 class Sampler:
     """Owns the default generator used by unseeded requests."""
 
-    def __init__(self, seed: int, device: torch.device | str):
+    def __init__(
+        self, seed: int, device: torch.device | str, eos_token_ids: Collection[int] = ()
+    ):
         self.device = torch.device(device)
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(seed)
+        self.eos_token_ids = tuple(eos_token_ids)  # min_tokens holds these back
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        num_output_tokens: list[int],
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> list[SampledToken]:
-        """logits: [N, vocab] fp32, one row per sampling sequence."""
+        """logits: [N, vocab] fp32, one row per sampling sequence. histories[i] is needed for a
+        row whose params have penalties (SamplingParams.has_penalties)."""
+        raw = logits
+        if any(p.has_penalties for p in params):
+            logits = self._penalized(logits, params, histories or [None] * len(params))
         token_ids = torch.argmax(logits, dim=-1)  # [N]; greedy rows are done
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [params[i] for i in random_rows])
+            # A row with no usable probability mass (an overflow no check foresaw) keeps its
+            # argmax: one request must never fail the step its whole batch shares.
+            sums = probs.sum(dim=-1)
+            usable = (torch.isfinite(probs).all(dim=-1) & (sums > 0)).tolist()
             for j, i in enumerate(random_rows):
+                if not usable[j]:
+                    logger.warning("sampling row %d has no usable probabilities: greedy", i)
+                    token_ids[i] = torch.nan_to_num(logits[i], nan=float("-inf")).argmax()
+                    continue
                 generator = self._generator_for(params[i], num_output_tokens[i])
                 token_ids[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
-        return self._with_logprobs(logits, token_ids, params)
+        return self._with_logprobs(raw, token_ids, params)
+
+    def _penalized(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        histories: Sequence[TokenHistory | None],
+    ) -> torch.Tensor:
+        """A copy of logits with each row's penalties, biases and minimum length applied, in
+        vLLM's order: repetition, then frequency and presence, then logit_bias, then min_tokens.
+        Counting happens only for the rows that asked."""
+        raw_logits = logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        device = logits.device
+        for i, p in enumerate(params):
+            if not p.has_penalties:
+                continue
+            history = histories[i]
+            if history is None:
+                raise ValueError("a request with penalties needs its token history")
+            prompt_ids, output_ids = history
+            row = logits[i]
+            output = torch.as_tensor(list(output_ids), dtype=torch.int64, device=device)
+            counts = torch.bincount(output, minlength=vocab)[:vocab].to(row.dtype)  # [vocab]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt = torch.as_tensor(list(prompt_ids), dtype=torch.int64, device=device)
+                seen[prompt[prompt < vocab]] = True
+                penalized = torch.where(
+                    row > 0, row / p.repetition_penalty, row * p.repetition_penalty
+                )
+                row.copy_(torch.where(seen, penalized, row))
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                present = (counts > 0).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * present
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if t < vocab]
+                index = torch.tensor(ids, dtype=torch.int64, device=device)
+                bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=device)
+                row.index_add_(0, index, bias)
+            if len(output_ids) < p.min_tokens:
+                stops = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
+                if stops:
+                    row[torch.tensor(stops, dtype=torch.int64, device=device)] = float("-inf")
+        # Extreme (valid) penalties can overflow: logits are capped at 1e30 (which still
+        # survives division by the smallest sampling temperature, 1e-5), NaN becomes -inf, and
+        # a row left with no finite logit keeps the model's own, so a request cannot break the
+        # step that samples its neighbours too.
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=_MAX_LOGIT, neginf=float("-inf"))
+        logits.clamp_(max=_MAX_LOGIT)
+        dead = ~torch.isfinite(logits).any(dim=-1)
+        if bool(dead.any()):
+            logits[dead] = raw_logits[dead]
+        return logits
 
     def _generator_for(self, params: SamplingParams, step: int) -> torch.Generator:
         if params.seed is None:

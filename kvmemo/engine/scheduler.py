@@ -188,6 +188,11 @@ class Scheduler:
                 num_output_tokens=r.num_output_tokens,
                 mm_inputs=_mm_inputs(r, r.num_computed_tokens, r.num_computed_tokens + n),
                 return_logprobs_row=not r.sample_tokens,
+                token_history=(
+                    (r.prompt_token_ids, r.output_token_ids)
+                    if r.sampling_params.has_penalties
+                    else None
+                ),
             )
             for r, n in scheduled
         ]

@@ -6,6 +6,7 @@ tokens, and block_copies run (in order), then the connector's loads, before the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,9 @@ class ScheduledSequence:
     # The runner returns the fp32 log-softmax row of the last position instead of sampling a
     # token (a sequence driven from above the scheduler, e.g. a beam; see Request.sample_tokens).
     return_logprobs_row: bool = False
+    # (prompt ids, output ids so far), references to the request's lists, for a request whose
+    # sampling has penalties (the sampler counts them); None otherwise.
+    token_history: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 @dataclass(frozen=True)

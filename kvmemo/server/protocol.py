@@ -19,9 +19,6 @@ MAX_LOGPROBS = 20
 
 # OpenAI fields kvmemo does not implement, with the value that means "off".
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
     "best_of": 1,
     "echo": False,
     "suffix": None,
@@ -42,8 +39,11 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 }
 
 
-def check_unsupported(extra_fields: dict[str, Any]) -> None:
-    """Raise ValueError naming the first field that is unknown or set to an unsupported value."""
+def check_unsupported(extra_fields: dict[str, Any]) -> list[str]:
+    """The unknown fields, to be ignored (as vLLM ignores them: clients send extras for other
+    servers). Raises UnsupportedFieldError for a known OpenAI field set to a value kvmemo does
+    not implement: ignoring that would silently change what the client asked for."""
+    unknown = []
     for name, value in extra_fields.items():
         if name in UNSUPPORTED_NEUTRAL:
             neutral = UNSUPPORTED_NEUTRAL[name]
@@ -52,7 +52,8 @@ def check_unsupported(extra_fields: dict[str, Any]) -> None:
             raise UnsupportedFieldError(
                 name, f"{name} is not supported by this server (only {neutral!r})"
             )
-        raise UnsupportedFieldError(name, f"unknown field {name!r}")
+        unknown.append(name)
+    return unknown
 
 
 class UnsupportedFieldError(InputError):
@@ -88,6 +89,12 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
     ignore_eos: bool = False
+    # Penalties and biases (OpenAI's and vLLM's names); SamplingParams checks the ranges.
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    min_tokens: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -24,18 +24,21 @@ class ServingChat(OpenAIServing):
     id_prefix = "chatcmpl-"
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_common(body)
+        ignored = self.check_common(body)
         messages = [_engine_message(i, message) for i, message in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise InputError("top_logprobs", "top_logprobs requires logprobs: true")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self.sampling_params(body, max_tokens or 1, top_logprobs)
+        # Without max_tokens the engine fills the context (fill_context); until then any value
+        # min_tokens allows stands in.
+        params = self.sampling_params(body, max_tokens or max(1, body.min_tokens), top_logprobs)
         return await self.generate(
             body,
             request,
             params,
             top_logprobs,
+            ignored_fields=ignored,
             messages=messages,
             fill_context=max_tokens is None,
         )

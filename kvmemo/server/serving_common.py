@@ -17,12 +17,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmemo.engine import AsyncEngine, EngineDeadError, RequestStream, StreamItem
+from kvmemo.errors import InputError
 from kvmemo.sampling import SamplingParams
 from kvmemo.server.errors import APIError, error_body
 from kvmemo.server.metrics import ServerMetrics
@@ -121,6 +122,9 @@ class OpenAIServing:
     Subclasses set the names and implement the fields their API formats differently.
     """
 
+    # Unknown fields already warned about, in this process (both APIs share one set).
+    _warned_fields: ClassVar[set[str]] = set()
+
     object_name: str  # of the full response
     chunk_object_name: str  # of each streamed chunk
     id_prefix: str  # of the response id, before the engine request id
@@ -152,8 +156,14 @@ class OpenAIServing:
 
     # ---- shared ------------------------------------------------------------------------------
 
-    def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        check_unsupported(body.model_extra or {})
+    def check_common(self, body: CompletionRequest | ChatCompletionRequest) -> list[str]:
+        """Raises for a bad model or an unsupported value; returns the unknown fields, which
+        are ignored (logged once per name, and named in the kvmemo-ignored-fields header)."""
+        unknown = check_unsupported(body.model_extra or {})
+        for name in unknown:
+            if name not in self._warned_fields:
+                self._warned_fields.add(name)
+                logger.warning("ignoring unknown request field %r (said once per field)", name)
         if body.model is not None and body.model != self.model_name:
             raise APIError(
                 400,
@@ -162,6 +172,7 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+        return unknown
 
     @staticmethod
     def sampling_params(
@@ -184,6 +195,11 @@ class OpenAIServing:
             stop=stop if isinstance(stop, str) else tuple(stop),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_token_biases(body.logit_bias),
+            min_tokens=body.min_tokens,
         )
 
     async def generate(
@@ -192,9 +208,11 @@ class OpenAIServing:
         request: Request,
         params: SamplingParams,
         top_logprobs: int | None,
+        ignored_fields: list[str] | None = None,
         **inputs: Any,
     ) -> Response:
         """Queue the request (`inputs`: prompt= or messages=, ...) and answer it."""
+        headers = {"kvmemo-ignored-fields": ",".join(ignored_fields)} if ignored_fields else None
         stream = await self.engine.add_request(
             params, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24], **inputs
         )
@@ -202,7 +220,8 @@ class OpenAIServing:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                self.stream_events(job, include_usage), media_type="text/event-stream"
+                self.stream_events(job, include_usage), media_type="text/event-stream",
+                headers=headers,
             )
         try:
             finished = await _until_done_or_disconnect(_collect(job), request)
@@ -211,7 +230,7 @@ class OpenAIServing:
             self.record(job)
         if not finished:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(self.full_response(job))
+        return JSONResponse(self.full_response(job), headers=headers)
 
     def response_id(self, job: Job) -> str:
         return self.id_prefix + job.stream.request_id
@@ -332,3 +351,17 @@ async def _until_done_or_disconnect(work, request: Request) -> bool:
         work_task.result()  # re-raise the engine's error
         return True
     return False
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> {token id: bias}."""
+    if not logit_bias:
+        return None
+    biases = {}
+    for key, value in logit_bias.items():
+        if not key.strip().isdigit():
+            raise InputError(
+                "logit_bias", f"logit_bias keys must be token ids (digits), got {key!r}"
+            )
+        biases[int(key)] = value
+    return biases

@@ -23,7 +23,7 @@ class ServingCompletion(OpenAIServing):
     id_prefix = "cmpl-"
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_common(body)
+        ignored = self.check_common(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -33,7 +33,9 @@ class ServingCompletion(OpenAIServing):
                 )
             prompt = prompt[0]
         params = self.sampling_params(body, body.max_tokens or _DEFAULT_MAX_TOKENS, body.logprobs)
-        return await self.generate(body, request, params, body.logprobs, prompt=prompt)
+        return await self.generate(
+            body, request, params, body.logprobs, ignored_fields=ignored, prompt=prompt
+        )
 
     def choice_fields(self, choice: Choice) -> dict[str, Any]:
         return {"text": choice.text}

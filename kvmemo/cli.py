@@ -61,7 +61,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "redis://host:6379/0?timeout=0.5; repeat it for tiers, looked up in the order given and "
         "saved to all (default: off)",
     )
-    g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    g.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="log engine details to stderr; generate also prints its memory (weights, KV pool, "
+        "peak RSS)",
+    )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -263,6 +267,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         }))
     else:
         print(completion.text)
+    if args.verbose:
+        mem = llm.memory_stats()
+        print(
+            f"memory: weights {mem.weights_bytes / 2**20:.0f} MiB, KV pool "
+            f"{mem.kv_pool_bytes / 2**20:.0f} MiB (resident as it fills), peak RSS "
+            f"{mem.peak_rss_bytes / 2**20:.0f} MiB",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvmemo.config import EngineConfig
-from kvmemo.engine import BeamSearchParams, Engine, EngineStats
+from kvmemo.engine import BeamSearchParams, Engine, EngineStats, MemoryStats
 from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
 from kvmemo.outputs import RequestOutput
 from kvmemo.sampling import SamplingParams
@@ -99,6 +99,10 @@ class LLM:
         """Prefix-cache, scheduler, store and encoder counters since start (tokens, blocks, hit
         rate); `.as_dict()` gives them flat by name."""
         return self.engine.stats()
+
+    def memory_stats(self) -> MemoryStats:
+        """Weights as held, the KV pool's size and the process's peak RSS, in bytes."""
+        return self.engine.memory_stats()
 
     def reset_prefix_cache(self) -> tuple[bool, str]:
         """Drop every cached block; refused (False, reason) while requests hold blocks."""

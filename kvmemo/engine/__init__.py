@@ -13,7 +13,7 @@ from kvmemo.engine.async_engine import (
 )
 from kvmemo.engine.beam_search import BeamSearchParams
 from kvmemo.engine.engine import Engine
-from kvmemo.engine.stats import EngineStats, KVInfo, StoreTierStats
+from kvmemo.engine.stats import EngineStats, KVInfo, MemoryStats, StoreTierStats
 
 __all__ = [
     "AsyncEngine",
@@ -22,6 +22,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStats",
     "KVInfo",
+    "MemoryStats",
     "QueueFullError",
     "RequestStream",
     "StoreTierStats",

@@ -27,7 +27,7 @@ from kvmemo.engine.kv_setup import build_kv, build_kv_connector
 from kvmemo.engine.model_runner import ModelRunner
 from kvmemo.engine.sampler import Sampler
 from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
-from kvmemo.engine.stats import EngineStats, KVInfo, collect_stats
+from kvmemo.engine.stats import EngineStats, KVInfo, MemoryStats, collect_stats
 from kvmemo.errors import InputError
 from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
 from kvmemo.kv.events import KVEvent
@@ -362,6 +362,14 @@ class Engine:
             kv_cache_dtype=layout.kv_cache_dtype,
         )
 
+    def memory_stats(self) -> MemoryStats:
+        """Weights as held, the KV pool's size, and the process's peak RSS."""
+        return MemoryStats(
+            weights_bytes=self.loaded.model.weight_bytes(),
+            kv_pool_bytes=self.layout.pool_bytes,
+            peak_rss_bytes=_peak_rss_bytes(),
+        )
+
     def cached_block_hashes(self) -> list[BlockHash]:
         """Hashes of every block a prompt could hit right now (call between steps)."""
         return self.kv_manager.block_pool.cached_block_hashes()
@@ -405,3 +413,10 @@ class Engine:
         self._publish_kv_events()
         return result
 
+
+def _peak_rss_bytes() -> int:
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -76,6 +76,15 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """Where an engine's memory goes, in bytes."""
+
+    weights_bytes: int  # the model's tensors as held: plain weights, packed kernel copies
+    kv_pool_bytes: int  # the paged KV pool's size (on CPU resident only as blocks fill)
+    peak_rss_bytes: int  # the process's peak resident set so far (0 where unknown)
+
+
+@dataclass(frozen=True, slots=True)
 class KVInfo:
     """How this engine names KV blocks: what a router needs to hash prompts the same way."""
 

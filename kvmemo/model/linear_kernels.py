@@ -93,6 +93,13 @@ class Linear:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
     @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copy (0 without one)."""
+        if self._packed is None:
+            return 0
+        return self._packed.numel() * self._packed.element_size()
+
+    @property
     def packed_only(self) -> bool:
         """oneDNN's packed copy serves every shape class: the plain weight is not read."""
         return self.choice.decode == self.choice.prefill == "onednn"

@@ -218,6 +218,16 @@ class LlamaForCausalLM(nn.Module):
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: parameters (tied ones once, released ones not at all) and
+        the kernels' packed copies."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.linear_choice is not None:
+            total += sum(lin.packed_bytes for _, linears in self._projections() for lin in linears)
+            if self.lm_head.weight is self.embed_tokens.weight:
+                total += self.head.packed_bytes  # not among _projections: the table stays
+        return total
+
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict in, fusing q/k/v and gate/up; casts to the model's dtype.

@@ -181,6 +181,15 @@ class LlavaForConditionalGeneration(nn.Module):
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def weight_bytes(self) -> int:
+        language = self.language_model.weight_bytes()
+        own = sum(
+            p.numel() * p.element_size()
+            for name, p in self.named_parameters()
+            if not name.startswith("language_model.")
+        )
+        return language + own
+
     # ---- images ----------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -74,6 +74,23 @@ def test_cli_generate_json():
 
 
 @pytest.mark.model
+def test_cli_verbose_generate_prints_its_memory():
+    import re
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmemo.cli", "generate", "Hi", "--max-tokens", "2", "--verbose",
+         "--kv-cache-memory", "64MiB"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = re.search(r"memory: weights (\d+) MiB, KV pool (\d+) MiB .*peak RSS (\d+) MiB", proc.stderr)
+    assert line, proc.stderr
+    weights, pool, peak = map(int, line.groups())
+    # SmolLM2-135M in fp32 is ~514 MiB of parameters (a packed copy may sit beside the head).
+    assert 400 < weights < 1200 and 60 <= pool <= 64 and peak > weights
+
+
+@pytest.mark.model
 def test_cli_chat_keeps_the_conversation_and_reuses_its_kv():
     import re
 

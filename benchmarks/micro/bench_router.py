@@ -22,48 +22,20 @@ import platform
 import random
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
 from benchmarks.paths import RESULTS, ROOT
+from benchmarks.server_process import running_server
 from tests.redis_server import free_port  # one definition, shared with the tests
 
 
-@contextlib.contextmanager
 def process(args: list[str], port: int, env: dict[str, str]):
-    """`python -m kvmemo.cli ARGS --port PORT` until /health answers 200; killed on exit."""
-    log = tempfile.NamedTemporaryFile("wb", prefix="kvmemo-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmemo.cli", *args, "--port", str(port)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited:\n{Path(log.name).read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{args[0]} never became healthy")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+    """`python -m kvmemo.cli ARGS --port PORT` until /health answers 200; stopped on exit."""
+    return running_server([sys.executable, "-m", "kvmemo.cli", *args, "--port", str(port)], port, env)
 
 
 def system_prompt(tag: str, num_tokens: int) -> str:

@@ -17,12 +17,11 @@ import argparse
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 from benchmarks.paths import PEERS, RESULTS, ROOT
 from benchmarks.runners.run_suite import PEER_PYTHON, engine_env
+from benchmarks.server_process import running_server
 
 SERVE_RESULTS = RESULTS / "serve"
 HF_CHECKPOINT = PEERS / "hf-smollm2-fp32"
@@ -56,43 +55,19 @@ def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], str]:
             "--port", str(port), "--max-model-len", "8192"], name
 
 
-def wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with status {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"the server on port {port} was not healthy within {timeout_s:.0f} s")
-
-
 def bench(engine: str, dtype: str, port: int) -> dict:
     command, name = server_command(engine, dtype, port)
-    log = (SERVE_RESULTS / f"{engine}-{dtype}.server.log").open("w")
     env = engine_env(engine) if engine == "vllm" else None
-    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(port, server, timeout_s=600)
+    with running_server(command, port, env, timeout_s=600) as url:
         out = f"{engine}-{dtype}.json"
         subprocess.run(
             [str(PEER_PYTHON["vllm"]), "-c", CLIENT, *CLIENT_ARGS,
-             "--base-url", f"http://127.0.0.1:{port}", "--model", name,
+             "--base-url", url, "--model", name,
              "--tokenizer", str(HF_CHECKPOINT), "--save-result",
              "--result-dir", str(SERVE_RESULTS), "--result-filename", out],
             cwd=ROOT, check=True,
         )
-        return json.loads((SERVE_RESULTS / out).read_text())
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+    return json.loads((SERVE_RESULTS / out).read_text())
 
 
 def main() -> None:
@@ -107,7 +82,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         for engine in args.engines.split(","):
             r = bench(engine, dtype, args.port)
-            print(f"{engine} {dtype}: {r['duration']:.2f} s, {r['output_throughput']:.1f} output "
+            print(f"\n{engine} {dtype}: {r['duration']:.2f} s, {r['output_throughput']:.1f} output "
                   f"tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms", flush=True)
 
 

@@ -59,7 +59,6 @@ class BeamSearchDriver:
                 f"beam_width {params.beam_width} is too large for a vocabulary of "
                 f"{self.vocab_size} tokens",
             )
-        self.scheduler.check_fits(root)
         # Worst case: the prompt's blocks shared, then a private chain per running beam and per
         # kept finished beam (plus a copied partial block each).
         size = self.kv.block_size
@@ -73,7 +72,7 @@ class BeamSearchDriver:
                 f"beam search with beam_width {width} may need {blocks_needed} KV blocks but "
                 f"the KV cache holds only {self.kv.num_blocks}; lower beam_width or max_tokens",
             )
-        self.scheduler.add_request(root)
+        self.scheduler.add_request(root)  # its own checks: a free id, the prompt's length
         self.searches[root.request_id] = search
         return search
 

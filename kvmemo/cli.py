@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -96,6 +97,21 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         "--min-tokens", type=int, default=0,
         help="EOS and stop tokens cannot end the output before this many tokens (default: 0)",
     )
+    g = parser.add_argument_group("structured output (one of these)")
+    g.add_argument(
+        "--json-schema", default=None, metavar="SCHEMA",
+        help="the output is an instance of this JSON schema (a file path or the JSON itself)",
+    )
+    g.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument(
+        "--choice", action="append", default=None,
+        help="the output is exactly one of these strings (repeat the flag for each)",
+    )
+    g.add_argument(
+        "--grammar", default=None, metavar="EBNF",
+        help="the output follows this EBNF grammar, start rule `root` (a file path or the text)",
+    )
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,7 +146,29 @@ def _sampling_params(args: argparse.Namespace):
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens,
+        structured_outputs=_structured_outputs(args),
     )
+
+
+def _structured_outputs(args: argparse.Namespace):
+    """The --json-schema/--json-object/--regex/--choice/--grammar constraint, or None."""
+    from kvmemo.structured import StructuredOutputsParams
+
+    fields = {
+        "json": _text_or_file(args.json_schema), "json_object": args.json_object,
+        "regex": args.regex, "choice": args.choice, "grammar": _text_or_file(args.grammar),
+    }
+    if not any(fields.values()):
+        return None
+    return StructuredOutputsParams(**{k: v for k, v in fields.items() if v})
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """A flag's value, or the contents of the file it names."""
+    if value is not None and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

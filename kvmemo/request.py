@@ -105,6 +105,9 @@ class Request:
     # that reaches its end returns the log-softmax row of its last position instead of sampling,
     # and its driver, not the scheduler, appends its tokens and publishes its blocks.
     sample_tokens: bool = True
+    # The structured-output Constraint its tokens must follow (kvmemo.structured.grammar), or
+    # None; opaque here. The engine advances it past every token the request takes.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

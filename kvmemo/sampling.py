@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvmemo.errors import InputError
+from kvmemo.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this per occurrence in the output, [-2, 2]
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    # The output follows this JSON schema / regex / choice / grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         n = self.n
@@ -102,6 +105,14 @@ class SamplingParams:
             isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
             f"got {self.min_tokens!r}",
+        )
+
+        _check(
+            "structured_outputs",
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams or None, got "
+            f"{type(self.structured_outputs).__name__}",
         )
 
     @property

@@ -37,6 +37,7 @@ from kvmemo.model.loader import load_model
 from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmemo.request import Request, RequestStatus
 from kvmemo.sampling import SamplingParams
+from kvmemo.structured.grammar import StructuredOutputCompiler
 from kvmemo.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class Engine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
+        self._structured: StructuredOutputCompiler | None = None
         self.num_steps = 0
         logger.info(
             "engine ready in %.1f s on %s (linear kernels: decode %s, prefill %s)",
@@ -159,6 +161,9 @@ class Engine:
                 f"{max(params.logit_bias)}"
             )
         request = self._new_request(request_id, prompt, params, cache_salt)
+        if params.structured_outputs is not None:
+            # Compiled here, so a bad schema or regex fails this call (a 400), not a step.
+            request.constraint = self._structured_compiler().constraint(params.structured_outputs)
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
@@ -242,6 +247,14 @@ class Engine:
             prompt_text=prompt.text,
         )
 
+    def _structured_compiler(self) -> StructuredOutputCompiler:
+        """Built on first use: reading the vocabulary into the grammar library takes ~0.1 s."""
+        if self._structured is None:
+            self._structured = StructuredOutputCompiler(
+                self.tokenizer, self.processor.vocab_size, self.eos_token_ids
+            )
+        return self._structured
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks (idempotent; unknown ids are ignored)."""
         if not self.beams.abort(request_id):
@@ -278,6 +291,11 @@ class Engine:
             if request.first_token_time is None:
                 request.first_token_time = now
             token = result.sampled[request.request_id]
+            if request.constraint is not None and not request.constraint.accept(token.token_id):
+                # Only a sampler fallback (a row left with no usable probability) gets here.
+                logger.error("request %s: token %d breaks its grammar; stopping it",
+                             request.request_id, token.token_id)
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if tracked.logprobs is not None:
                 assert token.logprob is not None, "the sampler returns it when logprobs is set"
                 entry = dict(token.top_logprobs or {})

@@ -112,6 +112,7 @@ class ModelRunner:
             [seqs[i].sampling_params for i in sampling],
             [seqs[i].num_output_tokens for i in sampling],
             [seqs[i].token_history for i in sampling],
+            [seqs[i].constraint for i in sampling],
         ) if sampling else []
         sampled = {seqs[i].request_id: t for i, t in zip(sampling, tokens)}
         return ModelRunnerOutput(sampled=sampled, logprobs_rows=logprobs_rows)

@@ -1,8 +1,9 @@
 """Sampler: the next token of every sampling sequence in a step, from its logits row.
 
 Invariant: a request with a seed draws from its own generator, seeded from (seed, step), so its
-tokens do not depend on what else is in the batch; penalties and biases change only their own
-row's logits (logprobs report the model's own distribution, as vLLM's default does).
+tokens do not depend on what else is in the batch; grammar masks, penalties and biases change
+only their own row's logits (logprobs report the model's own distribution, as vLLM's default
+does), and a constrained row never samples a token its grammar forbids.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmemo.sampling import SamplingParams
+from kvmemo.structured.grammar import Constraint, allowed_token_masks
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +50,15 @@ class Sampler:
         params: list[SamplingParams],
         num_output_tokens: list[int],
         histories: Sequence[TokenHistory | None] | None = None,
+        constraints: Sequence[Constraint | None] | None = None,
     ) -> list[SampledToken]:
         """logits: [N, vocab] fp32, one row per sampling sequence. histories[i] is needed for a
-        row whose params have penalties (SamplingParams.has_penalties)."""
+        row whose params have penalties (SamplingParams.has_penalties); constraints[i] is the
+        row's structured-output grammar, if any."""
         raw = logits
+        if constraints is not None and any(c is not None for c in constraints):
+            # First, so the penalties' fallback for a row they empty keeps the grammar.
+            logits = _masked_by_grammar(logits, constraints)
         if any(p.has_penalties for p in params):
             logits = self._penalized(logits, params, histories or [None] * len(params))
         token_ids = torch.argmax(logits, dim=-1)  # [N]; greedy rows are done
@@ -193,6 +200,23 @@ class Sampler:
                 top = dict(zip(indices.tolist(), values.tolist()))
             out.append(SampledToken(t, float(logprobs[i, t]), top))
         return out
+
+
+def _masked_by_grammar(
+    logits: torch.Tensor, constraints: Sequence[Constraint | None]
+) -> torch.Tensor:
+    """A copy of logits with -inf wherever a row's grammar forbids the token. Only the
+    constrained rows are masked: the others' logits are untouched, so their tokens are the
+    same as in a batch without grammars."""
+    rows = [i for i, c in enumerate(constraints) if c is not None and not c.is_terminated]
+    if not rows:
+        return logits
+    active = [c for c in constraints if c is not None and not c.is_terminated]
+    allowed = allowed_token_masks(active, logits.shape[-1], logits.device)  # [n, vocab]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

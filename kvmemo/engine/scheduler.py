@@ -193,6 +193,7 @@ class Scheduler:
                     if r.sampling_params.has_penalties
                     else None
                 ),
+                constraint=r.constraint,
             )
             for r, n in scheduled
         ]

@@ -15,6 +15,7 @@ from kvmemo.sampling import SamplingParams
 if TYPE_CHECKING:
     from kvmemo.connector.base import ConnectorMetadata
     from kvmemo.request import MultiModalItem
+    from kvmemo.structured.grammar import Constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,8 @@ class ScheduledSequence:
     # (prompt ids, output ids so far), references to the request's lists, for a request whose
     # sampling has penalties (the sampler counts them); None otherwise.
     token_history: tuple[Sequence[int], Sequence[int]] | None = None
+    # The request's structured-output Constraint (its next token's mask), or None.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)

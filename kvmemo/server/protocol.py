@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmemo.errors import InputError
+from kvmemo.structured.params import StructuredOutputsParams
 
 MAX_N = 16  # samples per request
 MAX_LOGPROBS = 20
@@ -26,7 +27,6 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "response_format": {"type": "text"},
     "parallel_tool_calls": None,
     "service_tier": None,
     "store": False,
@@ -63,6 +63,34 @@ class UnsupportedFieldError(InputError):
 _Float = Field(default=None, allow_inf_nan=False)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # output always follows the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` object: one of json, json_object, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return super().model_dump(by_alias=True, **kwargs)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -95,6 +123,42 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(default=0, ge=0)
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* names; at most one of them may constrain a request (structured_outputs()).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: kvmemo has one backend
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request sets, or None; InputError if it sets several."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise InputError(
+                    "response_format", "response_format of type json_schema needs json_schema"
+                )
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True)
+            found.append(("structured_outputs", StructuredOutputsParams(**fields)))
+        for name, kind in (
+            ("guided_json", "json"), ("guided_regex", "regex"),
+            ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputsParams(**{kind: value})))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise InputError(found[1][0], f"set one structured output constraint, got {names}")
+        return found[0][1] if found else None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

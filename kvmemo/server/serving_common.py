@@ -200,6 +200,7 @@ class OpenAIServing:
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=_token_biases(body.logit_bias),
             min_tokens=body.min_tokens,
+            structured_outputs=body.structured_outputs_params(),
         )
 
     async def generate(

@@ -465,3 +465,58 @@ def test_penalties_and_logit_bias_reach_the_sampler(client, model):
     penalized = client.completions.create(**base, frequency_penalty=2.0, presence_penalty=2.0,
                                           extra_body={"repetition_penalty": 1.8})
     assert penalized.choices[0].text != plain.choices[0].text
+
+
+def test_structured_output_in_each_dialect(server, client, model):
+    """OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields."""
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+              "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["answer", "confidence"]}
+    messages = [{"role": "user", "content": "Is the sea salty? Answer in JSON."}]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0.8, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    obj = client.chat.completions.create(model=model, messages=messages, max_tokens=60,
+                                         temperature=0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(model=model, prompt="Pick a colour:", max_tokens=5,
+                                       extra_body={"guided_choice": ["red", "green"]})
+    assert choice.choices[0].text in ("red", "green")
+    with server.http() as http:
+        regex = http.post("/v1/completions", json={
+            "model": model, "prompt": "A date:", "max_tokens": 20, "temperature": 1.0, "seed": 4,
+            "structured_outputs": {"regex": r"20[0-9]{2}-(0[1-9]|1[0-2])"}, "stream": True,
+        })
+        assert regex.status_code == 200
+        text = "".join(
+            json.loads(line[6:])["choices"][0]["text"] for line in regex.text.splitlines()
+            if line.startswith("data: {")
+        )
+        assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])", text), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "set one"),
+        ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs", "invalid"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "one of"),
+        ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ],
+)
+def test_bad_structured_output_is_400(server, model, extra, param, words):
+    with server.http() as http:
+        response = http.post("/v1/completions",
+                             json={"model": model, "prompt": "hi", "max_tokens": 2, **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error

@@ -57,8 +57,10 @@ class Sampler:
         row's structured-output grammar, if any."""
         raw = logits
         if constraints is not None and any(c is not None for c in constraints):
-            # First, so the penalties' fallback for a row they empty keeps the grammar.
-            logits = _masked_by_grammar(logits, constraints)
+            # First, so the penalties' fallback for a row they empty keeps the grammar. The
+            # model's own logits are kept only if logprobs are asked for (they report them).
+            keep_raw = any(p.logprobs is not None for p in params)
+            logits = _masked_by_grammar(logits, constraints, in_place=not keep_raw)
         if any(p.has_penalties for p in params):
             logits = self._penalized(logits, params, histories or [None] * len(params))
         token_ids = torch.argmax(logits, dim=-1)  # [N]; greedy rows are done
@@ -203,19 +205,19 @@ class Sampler:
 
 
 def _masked_by_grammar(
-    logits: torch.Tensor, constraints: Sequence[Constraint | None]
+    logits: torch.Tensor, constraints: Sequence[Constraint | None], *, in_place: bool = False
 ) -> torch.Tensor:
-    """A copy of logits with -inf wherever a row's grammar forbids the token. Only the
-    constrained rows are masked: the others' logits are untouched, so their tokens are the
-    same as in a batch without grammars."""
+    """logits (a copy unless in_place) with -inf wherever a row's grammar forbids the token.
+    Only the constrained rows are touched, so the others' tokens are the same as in a batch
+    without grammars."""
     rows = [i for i, c in enumerate(constraints) if c is not None and not c.is_terminated]
     if not rows:
         return logits
     active = [c for c in constraints if c is not None and not c.is_terminated]
-    allowed = allowed_token_masks(active, logits.shape[-1], logits.device)  # [n, vocab]
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    masked = logits.clone()
-    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    forbidden = ~allowed_token_masks(active, logits.shape[-1], logits.device)  # [n, vocab]
+    masked = logits if in_place else logits.clone()
+    for j, row in enumerate(rows):  # row views, filled in place: no gather/scatter copies
+        masked[row].masked_fill_(forbidden[j], float("-inf"))
     return masked
 
 

@@ -57,4 +57,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Per prompt token, {token_id: logprob} with that token and the top alternatives; None for
+    # the first token (nothing predicts it). Set when SamplingParams.prompt_logprobs is.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     extra: dict = field(default_factory=dict)

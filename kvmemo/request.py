@@ -120,6 +120,12 @@ class Request:
             self.hasher.extend(self)
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """Reads no cached KV (it still shares what it computes): prompt logprobs need every
+        prompt position's logits, which only a forward over it gives."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

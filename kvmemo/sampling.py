@@ -31,6 +31,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs to return for each sampled position
+    # Log-probabilities of the prompt's tokens (each given the ones before it), with this many
+    # top alternatives; the first token has none. A request asking for them computes its whole
+    # prompt: cached KV has no logits to give.
+    prompt_logprobs: int | None = None
     # Penalties and biases, with vLLM's names and meanings, applied to the logits before
     # temperature and the cuts (logprobs stay the model's own):
     # tokens seen in the prompt or the output: logit / p if positive, logit * p if not (1 = off)
@@ -76,6 +80,12 @@ class SamplingParams:
             "logprobs",
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}",
+        )
+        _check(
+            "prompt_logprobs",
+            self.prompt_logprobs is None
+            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+            f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}",
         )
         _check(
             "seed",

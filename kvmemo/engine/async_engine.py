@@ -54,6 +54,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     fill_context: bool  # max_tokens = whatever context the prompt leaves
+    echo: bool  # the stream needs the prompt as text
     stream: RequestStream
     done: asyncio.Future
 
@@ -71,6 +72,7 @@ class _Sequence:
     index: int
     wants_logprobs: bool
     num_logprob_entries: int = 0
+    prompt_texts_sent: bool = False  # the prompt logprobs' token texts went out
 
 
 class RequestStream:
@@ -86,6 +88,7 @@ class RequestStream:
         self._queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
         self._num_open = n
         self.prompt_token_ids: list[int] = []
+        self.prompt_text = ""  # set for a request added with echo=True
 
     def _put(self, item: StreamItem | BaseException) -> None:  # engine thread
         try:
@@ -151,11 +154,13 @@ class AsyncEngine:
         cache_salt: str | None = None,
         fill_context: bool = False,
         request_id: str | None = None,
+        echo: bool = False,
     ) -> RequestStream:
         """Queue one request of params.n sequences; returns once the engine accepted it.
 
         Raises ValueError (bad prompt, too long, bad cache_salt), QueueFullError or
-        EngineDeadError. Exactly one of prompt and messages must be given.
+        EngineDeadError. Exactly one of prompt and messages must be given. echo: the stream's
+        prompt_text holds the prompt as text (decoded, for a token-id prompt).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
@@ -164,7 +169,9 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, params.n, loop)
         done = loop.create_future()
         self._submit(
-            _Add(request_id, prompt, messages, params, cache_salt, fill_context, stream, done)
+            _Add(
+                request_id, prompt, messages, params, cache_salt, fill_context, echo, stream, done
+            )
         )
         try:
             await done
@@ -294,6 +301,11 @@ class AsyncEngine:
             room = self.max_model_len - len(prompt.token_ids)
             params = params.with_max_tokens(max(room, 1))
         command.stream.prompt_token_ids = prompt.token_ids
+        if command.echo:
+            command.stream.prompt_text = (
+                prompt.text if prompt.text is not None
+                else self.engine.tokenizer.decode(prompt.token_ids)
+            )
         samples = list(zip(command.stream.sequence_ids, params.per_sample()))
         self.engine.add_requests(
             [(sequence_id, prompt, sample) for sequence_id, sample in samples],
@@ -308,9 +320,16 @@ class AsyncEngine:
             return
         token_texts: dict[int, str] = {}
         logprobs = out.outputs[0].logprobs
+        # Decode here: the tokenizer is only safe to use from the engine thread.
+        tokenizer = self.engine.tokenizer
+        if (out.prompt_logprobs is not None and out.outputs[0].token_ids
+                and not sequence.prompt_texts_sent):  # the whole prompt's are in
+            for prompt_entry in out.prompt_logprobs:
+                for token_id in prompt_entry or (out.prompt_token_ids[0],):
+                    if token_id not in token_texts:
+                        token_texts[token_id] = tokenizer.decode([token_id])
+            sequence.prompt_texts_sent = True
         if sequence.wants_logprobs and logprobs:
-            # Decode here: the tokenizer is only safe to use from the engine thread.
-            tokenizer = self.engine.tokenizer
             for entry in logprobs[sequence.num_logprob_entries :]:
                 for token_id in entry:
                     if token_id not in token_texts:

@@ -63,6 +63,8 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None
     beam_search: BeamSearch | None = None
+    # Per prompt token (the first has none), when prompt logprobs were asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Engine:
@@ -169,6 +171,9 @@ class Engine:
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=(
+                [None] * request.num_prompt_tokens if params.prompt_logprobs is not None else None
+            ),
         )
 
     def add_requests(
@@ -278,6 +283,12 @@ class Engine:
         self.num_steps += 1
         sampled = {rid: t.token_id for rid, t in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            # By position: a preempted request recomputes its prompt and rewrites the same.
+            tracked_request = self._tracked.get(request_id)
+            tracked_prompt = tracked_request.prompt_logprobs if tracked_request else None
+            if tracked_prompt is not None:
+                tracked_prompt[first : first + len(entries)] = entries
         ended = (
             self.beams.after_step(result.logprobs_rows, output.preempted_request_ids)
             if self.beams.searches
@@ -337,6 +348,7 @@ class Engine:
             outputs=[completion],
             finished=request.is_finished,
             metrics=metrics,
+            prompt_logprobs=tracked.prompt_logprobs,
         )
 
     def _make_beam_output(self, tracked: _Tracked, now: float) -> RequestOutput:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once
+
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
@@ -33,6 +35,10 @@ class ModelRunnerOutput:
     # request_id -> [vocab] fp32 log_softmax of the last position, for sequences that asked for
     # it instead of a token (return_logprobs_row).
     logprobs_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request_id -> (prompt position of the first entry, one {token_id: logprob} per prompt
+    # token from there, holding that token and the top-k alternatives), for the sequences whose
+    # chunk computed prompt positions and that asked for prompt logprobs.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -95,9 +101,13 @@ class ModelRunner:
             self._attention_fn(metadata),
             **self._multimodal_embeds(seqs, ids, metadata),
         )  # [T, hidden]
+        prompt_logprobs = (
+            self._prompt_logprobs(hidden, seqs, metadata)
+            if any(s.prompt_token_ids is not None for s in seqs) else {}
+        )
         sampling = [i for i, s in enumerate(seqs) if s.needs_sample]
         if not sampling:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         last_rows = torch.tensor(
             [metadata.query_start_loc[i + 1] - 1 for i in sampling], device=self.device
         )
@@ -115,7 +125,43 @@ class ModelRunner:
             [seqs[i].constraint for i in sampling],
         ) if sampling else []
         sampled = {seqs[i].request_id: t for i, t in zip(sampling, tokens)}
-        return ModelRunnerOutput(sampled=sampled, logprobs_rows=logprobs_rows)
+        return ModelRunnerOutput(
+            sampled=sampled, logprobs_rows=logprobs_rows, prompt_logprobs=prompt_logprobs
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, seqs: list[ScheduledSequence], metadata: AttentionMetadata
+    ) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """Each asking sequence's chunk positions p that predict a prompt token: log p(prompt[p+1]
+        | prompt[:p+1]) and the top-k, from fp32 log_softmax of the full logits row (as HF)."""
+        out: dict[str, tuple[int, list[dict[int, float]]]] = {}
+        for i, seq in enumerate(seqs):
+            prompt = seq.prompt_token_ids
+            if prompt is None:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + len(seq.token_ids), len(prompt) - 1)
+            k = seq.sampling_params.prompt_logprobs or 0
+            entries: list[dict[int, float]] = []
+            row0 = metadata.query_start_loc[i] - start  # batch row of position 0
+            # A few hundred rows of vocabulary-wide logits at a time (256 x 49,152 fp32: 50 MB).
+            for lo in range(start, end, _PROMPT_LOGITS_ROWS):
+                hi = min(lo + _PROMPT_LOGITS_ROWS, end)
+                logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi]).float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(prompt[lo + 1 : hi + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                top_values, top_ids = torch.topk(logprobs, k) if k else (None, None)
+                for j, token in enumerate(targets.tolist()):
+                    entry = (
+                        dict(zip(top_ids[j].tolist(), top_values[j].tolist()))
+                        if top_ids is not None and top_values is not None else {}
+                    )
+                    entry[token] = chosen[j]
+                    entries.append(entry)
+            if entries:
+                out[seq.request_id] = (start + 1, entries)
+        return out
 
     @staticmethod
     def _split_rows(

@@ -147,7 +147,7 @@ class Scheduler:
                     deferred.append(request)
                     continue
                 num_external = 0
-                if self.connector is not None:
+                if self.connector is not None and not request.skips_prefix_cache:
                     num_full = len(prefix.blocks) * self.kv.block_size
                     num_external = self.connector.get_num_new_matched_tokens(request, num_full)
                     if num_external > 0 and prefix.partial is not None:
@@ -194,6 +194,11 @@ class Scheduler:
                     else None
                 ),
                 constraint=r.constraint,
+                prompt_token_ids=(
+                    r.prompt_token_ids
+                    if r.skips_prefix_cache and r.num_computed_tokens < r.num_prompt_tokens - 1
+                    else None
+                ),
             )
             for r, n in scheduled
         ]

@@ -40,6 +40,9 @@ class ScheduledSequence:
     token_history: tuple[Sequence[int], Sequence[int]] | None = None
     # The request's structured-output Constraint (its next token's mask), or None.
     constraint: Constraint | None = None
+    # The prompt, for a request that wants prompt logprobs and whose chunk holds prompt
+    # positions that predict a prompt token (all but the last); None otherwise.
+    prompt_token_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)

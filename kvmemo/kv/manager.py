@@ -106,7 +106,7 @@ class KVCacheManager:
                 "get_computed_blocks needs request.num_computed_tokens == 0, "
                 f"got {request.num_computed_tokens}"
             )
-        if not self.enable_caching:
+        if not self.enable_caching or request.skips_prefix_cache:
             return NO_MATCH
         size = self.block_size
         tokens = request.all_token_ids

@@ -3,7 +3,8 @@
 Invariant: every error leaves as OpenAI's {"error": {...}} JSON (bad input 400, bad key 401,
 full queue 503), and a request whose client goes away is aborted, so its KV blocks are freed.
 This module only wires: the serving objects (serving_completion, serving_chat) handle the
-generation routes, errors.py the error bodies, kv_routes.py the /kv routes.
+generation routes, errors.py the error bodies, kv_routes.py the /kv routes, token_routes.py
+/tokenize, /detokenize and /version.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest, Mod
 from kvmemo.server.serving_chat import ServingChat
 from kvmemo.server.serving_common import CLIENT_CLOSED
 from kvmemo.server.serving_completion import ServingCompletion
+from kvmemo.server.token_routes import add_token_routes
 
 if TYPE_CHECKING:
     from kvmemo.engine import AsyncEngine
@@ -36,6 +38,9 @@ _ROUTES = (
     "/health",
     "/metrics",
     "/reset_prefix_cache",
+    "/tokenize",
+    "/detokenize",
+    "/version",
     "/kv/info",
     "/kv/blocks",
 )
@@ -100,6 +105,7 @@ def create_app(
         return {"success": True}
 
     add_kv_routes(app, engine, kv_events, model_name)
+    add_token_routes(app, engine, model_name, auth)
     return app
 
 

@@ -21,7 +21,7 @@ MAX_LOGPROBS = 20
 # OpenAI fields kvmemo does not implement, with the value that means "off".
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "best_of": 1,
-    "echo": False,
+    "echo": False,  # chat only (completions implement it)
     "suffix": None,
     "tools": [],
     "tool_choice": "none",
@@ -123,6 +123,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(default=0, ge=0)
+    # vLLM: logprobs of the prompt's tokens, with this many top alternatives each
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* names; at most one of them may constrain a request (structured_outputs()).
     response_format: ResponseFormat | None = None
@@ -176,6 +178,7 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt comes back before the completion (with logprobs: its own)
 
 
 class TextPart(BaseModel):

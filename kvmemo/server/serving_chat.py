@@ -43,10 +43,10 @@ class ServingChat(OpenAIServing):
             fill_context=max_tokens is None,
         )
 
-    def choice_fields(self, choice: Choice) -> dict[str, Any]:
+    def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": choice.text}}
 
-    def delta_fields(self, delta: str) -> dict[str, Any]:
+    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any]:
         return {"delta": {"content": delta} if delta else {}}
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
@@ -63,14 +63,15 @@ class ServingChat(OpenAIServing):
     def logprobs_json(
         self, job: Job, choice: Choice, start: int, entries: list[TokenLogprob]
     ) -> dict[str, Any]:
-        def item(token_id: int, logprob: float) -> dict[str, Any]:
+        def item(token_id: int, logprob: float | None) -> dict[str, Any]:
             token = job.token_text(token_id)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         return {
             "content": [
-                {**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                {**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in top]}
                 for e in entries
+                for top in (e.top or [],)
             ]
         }
 

@@ -43,12 +43,13 @@ class Choice:
     num_logprobs_sent: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    echo_sent: bool = False  # the echoed prompt went out (text and logprobs)
 
 
 class TokenLogprob(NamedTuple):
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
+    logprob: float | None  # None for a prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] | None  # (token id, logprob), best first
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Job:
     stream: RequestStream
     n: int
     top_logprobs: int | None  # None = no logprobs
+    echo: bool = False  # completions: the prompt comes before the output (and its logprobs)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
@@ -65,6 +67,9 @@ class Job:
     num_cached_tokens: int = 0
     ttft_s: float | None = None
     start: float = field(default_factory=time.monotonic)
+    # Per prompt token {token_id: logprob} (None for the first), once the prompt is computed,
+    # for a request with prompt_logprobs (or echo with logprobs).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         self.choices = [Choice() for _ in range(self.n)]
@@ -86,6 +91,8 @@ class Job:
             choice.logprobs = completion.logprobs
         self.token_texts.update(item.token_texts)
         if item.index == 0:
+            if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = list(out.prompt_logprobs)
             self.num_prompt_tokens = out.metrics.num_prompt_tokens
             self.num_cached_tokens = out.metrics.num_cached_tokens
         if self.ttft_s is None and out.metrics.first_token_time is not None:
@@ -115,6 +122,31 @@ class Job:
             entries.append(TokenLogprob(token_id, entry[token_id], top))
         return start, entries
 
+    def prompt_entries(self) -> list[TokenLogprob]:
+        """The prompt's tokens with their logprobs and top alternatives (the first has none)."""
+        assert self.prompt_logprobs is not None
+        entries = []
+        for token_id, entry in zip(self.stream.prompt_token_ids, self.prompt_logprobs):
+            if entry is None:
+                entries.append(TokenLogprob(token_id, None, None))
+                continue
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs or 0]
+            entries.append(TokenLogprob(token_id, entry[token_id], top))
+        return entries
+
+    def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's choice-level `prompt_logprobs`: per prompt token, {"token id": {"logprob",
+        "decoded_token"}} for the token and its top alternatives; null for the first."""
+        if self.prompt_logprobs is None:
+            return None
+        return [
+            None if entry is None else {
+                str(t): {"logprob": v, "decoded_token": self.token_text(t)}
+                for t, v in entry.items()
+            }
+            for entry in self.prompt_logprobs
+        ]
+
 
 class OpenAIServing:
     """One generation route: validated request in, engine request, OpenAI JSON or SSE out.
@@ -136,11 +168,11 @@ class OpenAIServing:
 
     # ---- the API-specific parts ------------------------------------------------------------
 
-    def choice_fields(self, choice: Choice) -> dict[str, Any]:
+    def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
         """A full response's choice content ("text", "message")."""
         raise NotImplementedError
 
-    def delta_fields(self, delta: str) -> dict[str, Any]:
+    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any]:
         """A streamed chunk's choice content for `delta`, the choice's new text."""
         raise NotImplementedError
 
@@ -164,19 +196,15 @@ class OpenAIServing:
             if name not in self._warned_fields:
                 self._warned_fields.add(name)
                 logger.warning("ignoring unknown request field %r (said once per field)", name)
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                400,
-                f"unknown model {body.model!r}; this server serves {self.model_name!r}",
-                "invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
+        check_model(body.model, self.model_name)
         return unknown
 
     @staticmethod
     def sampling_params(
-        body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = body.stop if body.stop is not None else ()
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -195,6 +223,7 @@ class OpenAIServing:
             stop=stop if isinstance(stop, str) else tuple(stop),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -210,14 +239,16 @@ class OpenAIServing:
         params: SamplingParams,
         top_logprobs: int | None,
         ignored_fields: list[str] | None = None,
+        echo: bool = False,
         **inputs: Any,
     ) -> Response:
         """Queue the request (`inputs`: prompt= or messages=, ...) and answer it."""
         headers = {"kvmemo-ignored-fields": ",".join(ignored_fields)} if ignored_fields else None
         stream = await self.engine.add_request(
-            params, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24], **inputs
+            params, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24], echo=echo,
+            **inputs,
         )
-        job = Job(stream, params.n, top_logprobs)
+        job = Job(stream, params.n, top_logprobs, echo=echo)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
@@ -233,6 +264,14 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(self.full_response(job), headers=headers)
 
+    @staticmethod
+    def prompt_logprobs_field(job: Job, first_chunk: bool = True) -> dict[str, Any]:
+        """{"prompt_logprobs": [...]} for a request that asked for them (in a stream, only
+        the choice's first chunk), else {}."""
+        if job.prompt_logprobs is None or not first_chunk:
+            return {}
+        return {"prompt_logprobs": job.prompt_logprobs_json()}
+
     def response_id(self, job: Job) -> str:
         return self.id_prefix + job.stream.request_id
 
@@ -244,15 +283,16 @@ class OpenAIServing:
         return self.logprobs_json(job, choice, start, entries)
 
     def full_response(self, job: Job) -> dict[str, Any]:
-        choices = [
-            {
+        choices = []
+        for i, c in enumerate(job.choices):
+            logprobs = self.new_logprobs(job, c)
+            choices.append({
                 "index": i,
-                **self.choice_fields(c),
-                "logprobs": self.new_logprobs(job, c),
+                **self.choice_fields(job, c),
+                "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
-            }
-            for i, c in enumerate(job.choices)
-        ]
+                **self.prompt_logprobs_field(job),
+            })
         return {
             "id": self.response_id(job),
             "object": self.object_name,
@@ -286,12 +326,14 @@ class OpenAIServing:
                     [
                         {
                             "index": item.index,
-                            **self.delta_fields(delta),
+                            **self.delta_fields(job, choice, delta),
                             "logprobs": logprobs,
                             "finish_reason": choice.finish_reason,
+                            **self.prompt_logprobs_field(job, first_chunk=not choice.echo_sent),
                         }
                     ]
                 )
+                choice.echo_sent = True
             if include_usage:
                 yield event([], usage=job.usage())
         except EngineDeadError as e:
@@ -323,6 +365,18 @@ class OpenAIServing:
             "-" if job.ttft_s is None else f"{job.ttft_s:.3f} s",
             latency,
             reasons,
+        )
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """400 model_not_found unless the request names the served model (or none)."""
+    if requested is not None and requested != served:
+        raise APIError(
+            400,
+            f"unknown model {requested!r}; this server serves {served!r}",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
         )
 
 

@@ -32,28 +32,58 @@ class ServingCompletion(OpenAIServing):
                     "prompt: batches of prompts are not supported; send one prompt per request",
                 )
             prompt = prompt[0]
-        params = self.sampling_params(body, body.max_tokens or _DEFAULT_MAX_TOKENS, body.logprobs)
+        # echo with logprobs: the prompt's tokens get logprobs too (as vLLM and OpenAI's legacy
+        # API give them; lm-eval's loglikelihood reads them).
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = self.sampling_params(
+            body, body.max_tokens or _DEFAULT_MAX_TOKENS, body.logprobs, prompt_logprobs
+        )
         return await self.generate(
-            body, request, params, body.logprobs, ignored_fields=ignored, prompt=prompt
+            body, request, params, body.logprobs, ignored_fields=ignored, echo=body.echo,
+            prompt=prompt,
         )
 
-    def choice_fields(self, choice: Choice) -> dict[str, Any]:
-        return {"text": choice.text}
+    def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
+        return {"text": (job.stream.prompt_text if job.echo else "") + choice.text}
 
-    def delta_fields(self, delta: str) -> dict[str, Any]:
+    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any]:
+        if job.echo and not choice.echo_sent:  # the choice's first chunk
+            delta = job.stream.prompt_text + delta
         return {"text": delta}
 
+    def new_logprobs(self, job: Job, choice: Choice) -> dict[str, Any] | None:
+        if not (job.echo and job.top_logprobs is not None and not choice.echo_sent):
+            return super().new_logprobs(job, choice)
+        # The first chunk (or the full response) of an echo: the prompt's entries lead.
+        prompt = job.prompt_entries() if job.prompt_logprobs is not None else []
+        start, entries = job.take_logprobs(choice)
+        assert start == 0
+        return self.logprobs_json(job, choice, 0, prompt + entries, prompt_offset=0)
+
     def logprobs_json(
-        self, job: Job, choice: Choice, start: int, entries: list[TokenLogprob]
+        self,
+        job: Job,
+        choice: Choice,
+        start: int,
+        entries: list[TokenLogprob],
+        prompt_offset: int | None = None,
     ) -> dict[str, Any]:
+        """prompt_offset: where the entries' text starts (0 for an echo's leading prompt);
+        otherwise after the prompt (if echoed) and the choice's first `start` tokens."""
         text = job.token_text
-        offsets, offset = [], sum(len(text(t)) for t in choice.token_ids[:start])
+        offset = prompt_offset
+        if offset is None:
+            offset = len(job.stream.prompt_text) if job.echo else 0
+            offset += sum(len(text(t)) for t in choice.token_ids[:start])
+        offsets = []
         for e in entries:
             offsets.append(offset)
             offset += len(text(e.token_id))
         return {
             "tokens": [text(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(i): v for i, v in e.top} for e in entries],
+            "top_logprobs": [
+                None if e.top is None else {text(i): v for i, v in e.top} for e in entries
+            ],
             "text_offset": offsets,
         }

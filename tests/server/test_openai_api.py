@@ -520,3 +520,76 @@ def test_bad_structured_output_is_400(server, model, extra, param, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_echo_with_logprobs_gives_hf_prompt_logprobs(server, model, hf_model, smollm_gguf):
+    """lm-eval's loglikelihood request: token-id prompt, echo, logprobs 1, max_tokens 1."""
+    import json
+
+    import torch
+
+    text = "The quick brown fox jumps over the lazy dog because"
+    with server.http() as http:
+        ids = http.post("/tokenize", json={"model": model, "prompt": text}).json()["tokens"]
+        body = {"model": model, "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True,
+                "temperature": 0}
+        full = http.post("/v1/completions", json=body).json()["choices"][0]
+        streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+        vllm_style = http.post("/v1/completions", json={
+            "model": model, "prompt": [ids], "max_tokens": 1, "prompt_logprobs": 2,
+        }).json()["choices"][0]
+    with torch.inference_mode():
+        logits = hf_model(input_ids=torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    lp = full["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    for p in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][p] - float(expected[p - 1, ids[p]])) < 1e-3
+        best = max(lp["top_logprobs"][p].values())
+        assert abs(best - float(expected[p - 1].max())) < 1e-3
+    assert abs(lp["token_logprobs"][-1] - float(expected[-1].max())) < 1e-3  # greedy next token
+    assert full["text"].startswith(text) and len(full["text"]) > len(text)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][-1] == len(text)
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
+    streamed_lp = [v for c in chunks if c["choices"][0]["logprobs"]
+                   for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed_lp == lp["token_logprobs"]
+    prompt_lp = vllm_style["prompt_logprobs"]
+    assert prompt_lp[0] is None and len(prompt_lp) == len(ids)
+    assert abs(prompt_lp[1][str(ids[1])]["logprob"] - float(expected[0, ids[1]])) < 1e-3
+    assert 2 <= len(prompt_lp[1]) <= 3 and vllm_style["text"]
+
+
+def test_tokenize_detokenize_and_version(server, model):
+    with server.http() as http:
+        text = http.post("/tokenize", json={"model": model, "prompt": "Hello world"}).json()
+        assert text["count"] == len(text["tokens"]) > 1
+        assert text["max_model_len"] == MAX_MODEL_LEN
+        back = http.post("/detokenize", json={"model": model, "tokens": text["tokens"]}).json()
+        assert back["prompt"] == "Hello world"
+        chat = http.post("/tokenize", json={
+            "model": model, "messages": [{"role": "user", "content": "Hello world"}],
+        }).json()
+        rendered = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+        assert "Hello world" in rendered and rendered.rstrip().endswith("assistant")
+        # What /tokenize counts is what a chat request's usage counts.
+        reply = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "Hello world"}],
+            "max_tokens": 1,
+        }).json()
+        assert reply["usage"]["prompt_tokens"] == chat["count"]
+        bad = http.post("/detokenize", json={"tokens": [10**7]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        both = http.post("/tokenize", json={"prompt": "a", "messages": [
+            {"role": "user", "content": "a"}]})
+        assert both.status_code == 400
+        assert http.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 400
+        version = http.get("/version").json()["version"]
+        assert version and version[0].isdigit()
+    import httpx
+
+    with httpx.Client(base_url=server.base_url) as anonymous:  # the key guards the POST routes
+        assert anonymous.post("/tokenize", json={"prompt": "a"}).status_code == 401

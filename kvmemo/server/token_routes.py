@@ -1,0 +1,81 @@
+"""The tokenizer routes tools call (vLLM's shapes): POST /tokenize, POST /detokenize, and
+GET /version.
+
+Invariant: the tokenizer runs on the engine thread (engine.call), as everywhere else: it is not
+safe to share across threads. Both POST routes need the API key when one is set.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmemo.errors import InputError
+from kvmemo.server.protocol import ChatMessage
+from kvmemo.server.serving_common import check_model
+
+if TYPE_CHECKING:
+    from kvmemo.engine import AsyncEngine, Engine
+
+
+class TokenizeRequest(BaseModel):
+    """Exactly one of prompt (text) and messages (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # prompt only (a chat's template writes its own special tokens, and the assistant header)
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=0)]
+
+
+def add_token_routes(
+    app: FastAPI, engine: AsyncEngine, model_name: str, auth: list[Any]
+) -> None:
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model, model_name)
+        if (body.prompt is None) == (body.messages is None):
+            raise InputError("prompt", "give exactly one of prompt and messages")
+
+        def run(e: Engine) -> list[int]:
+            if body.prompt is not None:
+                encoded = e.processor.tokenizer(
+                    body.prompt, add_special_tokens=body.add_special_tokens
+                )
+                return list(encoded["input_ids"])
+            messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+            return e.processor.process_chat(messages).token_ids
+
+        tokens = await engine.call(run)
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                "token_strs": None}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model, model_name)
+
+        def run(e: Engine) -> str:
+            vocab = e.processor.vocab_size
+            bad = [t for t in body.tokens if t >= vocab]
+            if bad:
+                raise InputError("tokens", f"token ids must be in [0, {vocab}), got {bad[0]}")
+            return e.processor.tokenizer.decode(body.tokens)
+
+        return {"prompt": await engine.call(run)}
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        try:
+            return {"version": version("kvmemo")}
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return {"version": "unknown"}

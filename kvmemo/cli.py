@@ -97,6 +97,10 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         "--min-tokens", type=int, default=0,
         help="EOS and stop tokens cannot end the output before this many tokens (default: 0)",
     )
+    g.add_argument(
+        "--bad-word", action="append", default=None, dest="bad_words",
+        help="a word the output never contains (repeatable)",
+    )
     g = parser.add_argument_group("structured output (one of these)")
     g.add_argument(
         "--json-schema", default=None, metavar="SCHEMA",
@@ -146,6 +150,7 @@ def _sampling_params(args: argparse.Namespace):
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens,
+        bad_words=tuple(args.bad_words or ()),
         structured_outputs=_structured_outputs(args),
     )
 

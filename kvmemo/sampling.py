@@ -43,6 +43,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this per occurrence in the output, [-2, 2]
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    # Words the output never contains (vLLM's bad_words): the engine tokenizes each, alone and
+    # after a space, into bad_words_token_ids; a sequence's last token is banned whenever the
+    # output ends with the rest of it.
+    bad_words: tuple[str, ...] | list[str] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # The output follows this JSON schema / regex / choice / grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -118,6 +123,21 @@ class SamplingParams:
         )
 
         _check(
+            "bad_words",
+            all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            f"bad_words must be a list of non-blank strings, got {self.bad_words!r}",
+        )
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        _check(
+            "bad_words",
+            all(
+                isinstance(seq, tuple) and seq
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
+                for seq in self.bad_words_token_ids
+            ),
+            "bad_words_token_ids must hold non-empty tuples of token ids",
+        )
+        _check(
             "structured_outputs",
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -127,10 +147,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Any logit processing before sampling (penalties, biases, a minimum length)."""
+        """Any logit processing before sampling (penalties, biases, a minimum length, bans)."""
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0
+            or bool(self.bad_words_token_ids)
         )
 
     @property

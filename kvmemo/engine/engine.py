@@ -10,6 +10,7 @@ path) and read EngineStats and KVInfo.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -162,6 +163,10 @@ class Engine:
                 "logit_bias", f"logit_bias token ids must be in [0, {vocab}), got "
                 f"{max(params.logit_bias)}"
             )
+        if params.bad_words and not params.bad_words_token_ids:
+            params = dataclasses.replace(
+                params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words)
+            )
         request = self._new_request(request_id, prompt, params, cache_salt)
         if params.structured_outputs is not None:
             # Compiled here, so a bad schema or regex fails this call (a 400), not a step.
@@ -251,6 +256,17 @@ class Engine:
             sample_tokens=sample_tokens,
             prompt_text=prompt.text,
         )
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens alone and after a space (as vLLM): a word mid-sentence is
+        usually one token with the space folded in, at the start of the output another."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        return tuple(sequences)
 
     def _structured_compiler(self) -> StructuredOutputCompiler:
         """Built on first use: reading the vocabulary into the grammar library takes ~0.1 s."""

@@ -99,8 +99,8 @@ class Sampler:
         params: list[SamplingParams],
         histories: Sequence[TokenHistory | None],
     ) -> torch.Tensor:
-        """A copy of logits with each row's penalties, biases and minimum length applied, in
-        vLLM's order: repetition, then frequency and presence, then logit_bias, then min_tokens.
+        """A copy of logits with each row's penalties, biases, bans and minimum length applied,
+        in vLLM's order: repetition, frequency and presence, logit_bias, bad words, min_tokens.
         Counting happens only for the rows that asked."""
         raw_logits = logits
         logits = logits.clone()
@@ -132,6 +132,13 @@ class Sampler:
                 index = torch.tensor(ids, dtype=torch.int64, device=device)
                 bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=device)
                 row.index_add_(0, index, bias)
+            for banned in p.bad_words_token_ids:
+                # Ban the word's last token where the output already ends with the rest of it.
+                head = banned[:-1]
+                if banned[-1] < vocab and (
+                    not head or tuple(output_ids[len(output_ids) - len(head):]) == head
+                ):
+                    row[banned[-1]] = float("-inf")
             if len(output_ids) < p.min_tokens:
                 stops = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
                 if stops:

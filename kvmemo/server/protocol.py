@@ -123,6 +123,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(default=0, ge=0)
+    bad_words: list[str] | None = None  # vLLM: words the output never contains
     # vLLM: logprobs of the prompt's tokens, with this many top alternatives each
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older

@@ -229,6 +229,7 @@ class OpenAIServing:
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=_token_biases(body.logit_bias),
             min_tokens=body.min_tokens,
+            bad_words=tuple(body.bad_words or ()),
             structured_outputs=body.structured_outputs_params(),
         )
 

@@ -23,6 +23,12 @@ def reference(row: list[float], p: SamplingParams, prompt: list[int], output: li
         count = output.count(t)
         out[t] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
         out[t] += (p.logit_bias or {}).get(t, 0.0)
+        for banned in p.bad_words_token_ids:
+            head = list(banned[:-1])
+            if t == banned[-1] and len(output) >= len(head) and (
+                output[len(output) - len(head):] == head
+            ):
+                out[t] = float("-inf")
         if len(output) < p.min_tokens and (t == EOS or t in p.stop_token_ids):
             out[t] = float("-inf")
     return out
@@ -37,6 +43,8 @@ CASES = [
     SamplingParams(temperature=0.0, min_tokens=9, stop_token_ids=[5]),
     SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
                    logit_bias={EOS: 30.0}, min_tokens=4),
+    # (5,) always banned; (1, 2): 2 banned after a 1; (8, 9, 10): 10 only after 8, 9
+    SamplingParams(temperature=0.0, bad_words_token_ids=((5,), (1, 2), (8, 9, 10))),
 ]
 
 
@@ -46,7 +54,7 @@ def test_penalties_match_the_reference_in_a_mixed_batch():
     histories = [
         (torch.randint(0, VOCAB, (12,)).tolist(), torch.randint(0, VOCAB, (n,)).tolist())
         for n in (0, 5, 6, 8, 3, 2, 3)
-    ]
+    ] + [([4, 4], [7, 8, 9, 1])]  # ends with 1 (bans 2), not with 8, 9 (10 stays)
     sampler = Sampler(0, "cpu", eos_token_ids=[EOS])
     got = sampler._penalized(logits, CASES, histories)
     for i, (p, (prompt, output)) in enumerate(zip(CASES, histories)):
@@ -57,6 +65,8 @@ def test_penalties_match_the_reference_in_a_mixed_batch():
     tokens = sampler.sample(logits, CASES, [len(o) for _, o in histories], histories)
     assert [t.token_id for t in tokens] == got.argmax(dim=-1).tolist()
     assert tokens[5].token_id not in (EOS, 5) and tokens[6].token_id != EOS  # min_tokens
+    banned = torch.isinf(got[7]).nonzero().flatten().tolist()
+    assert banned == [2, 5]  # the reference agrees (above); here the plain statement of it
 
 
 @pytest.mark.parametrize("penalty", [1e-300, 1e300])
@@ -154,3 +164,17 @@ def test_random_draws_follow_the_distribution_and_skip_zero_mass():
     p = SamplingParams(temperature=1.0, seed=11)
     first = Sampler(0, "cpu").sample(logits, [p], [4])[0].token_id
     assert Sampler(99, "cpu").sample(logits, [p], [4])[0].token_id == first
+
+
+def test_bad_words_never_appear(llm):
+    """The greedy continuation names a word; banned, it is gone (alone and after a space)."""
+    prompt = "The capital of France is"
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0),
+                         use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in plain
+    banned = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                   bad_words=["Paris"]),
+                          use_tqdm=False)[0].outputs[0].text
+    assert "Paris" not in banned and banned != plain
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])

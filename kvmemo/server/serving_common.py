@@ -230,6 +230,10 @@ class OpenAIServing:
             logit_bias=_token_biases(body.logit_bias),
             min_tokens=body.min_tokens,
             bad_words=tuple(body.bad_words or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            allowed_token_ids=body.allowed_token_ids,
             structured_outputs=body.structured_outputs_params(),
         )
 

@@ -82,3 +82,44 @@ def test_extreme_temperature_and_top_k_do_not_break_a_batch(llm):
     outs = llm.generate([PROMPT, PROMPT, PROMPT], params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids  # tiny temperature = greedy
     assert len(outs[1].outputs[0].token_ids) == 4
+
+
+def test_stop_string_inclusion_special_tokens_and_allowed_ids(llm):
+    """vLLM's include_stop_str_in_output, skip_special_tokens and allowed_token_ids."""
+    prompt = "The capital of France is"
+    base = dict(max_tokens=12, temperature=0.0)
+    plain = llm.generate([prompt], SamplingParams(**base), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in plain.text
+    cut = llm.generate([prompt], SamplingParams(**base, stop=["Paris"]), use_tqdm=False)
+    kept = llm.generate([prompt], SamplingParams(**base, stop=["Paris"],
+                                                 include_stop_str_in_output=True), use_tqdm=False)
+    head = plain.text[: plain.text.index("Paris")]
+    assert cut[0].outputs[0].text == head
+    assert kept[0].outputs[0].text == head + "Paris"
+    # A stop token id ends the output and leaves no text; included, its text stays.
+    stop_id = plain.token_ids[2]
+    stopped = llm.generate([prompt], SamplingParams(**base, stop_token_ids=[stop_id]),
+                           use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.engine.tokenizer
+    assert stopped.token_ids == plain.token_ids[:3]
+    assert stopped.text == tokenizer.decode(plain.token_ids[:2])
+    with_stop = llm.generate([prompt], SamplingParams(**base, stop_token_ids=[stop_id],
+                                                      include_stop_str_in_output=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert with_stop.text == tokenizer.decode(plain.token_ids[:3])
+    # Special tokens in the middle of an output: kept as text only when asked.
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = dict(base, max_tokens=3, logit_bias={special: 100.0})
+    hidden = llm.generate([prompt], SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    shown = llm.generate([prompt], SamplingParams(**forced, skip_special_tokens=False),
+                         use_tqdm=False)[0].outputs[0]
+    assert hidden.token_ids == [special] * 3 and hidden.text == ""
+    assert shown.text == "<|im_start|>" * 3
+    # allowed_token_ids: every token comes from the list, even sampled at temperature 2.
+    allowed = plain.token_ids[:4]
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=2.0, seed=0,
+                                                allowed_token_ids=allowed),
+                       use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)

@@ -94,6 +94,8 @@ class StructuredOutputsField(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (guidellm asks for it)
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):

@@ -255,9 +255,12 @@ class OpenAIServing:
         )
         job = Job(stream, params.n, top_logprobs, echo=echo)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            options = body.stream_options
+            include_usage = options is not None and options.include_usage
+            continuous_usage = options is not None and options.continuous_usage_stats
             return StreamingResponse(
-                self.stream_events(job, include_usage), media_type="text/event-stream",
+                self.stream_events(job, include_usage, continuous_usage),
+                media_type="text/event-stream",
                 headers=headers,
             )
         try:
@@ -307,7 +310,10 @@ class OpenAIServing:
             "usage": job.usage(),
         }
 
-    async def stream_events(self, job: Job, include_usage: bool) -> AsyncIterator[str]:
+    async def stream_events(
+        self, job: Job, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
+        """The SSE stream; continuous_usage: every content chunk carries the usage so far."""
         base = {
             "id": self.response_id(job),
             "object": self.chunk_object_name,
@@ -321,7 +327,7 @@ class OpenAIServing:
         try:
             opening = self.opening_choices(job.n)
             if opening:
-                yield event(opening)
+                yield event(opening, **({"usage": job.usage()} if continuous_usage else {}))
             async for item in job.stream:
                 choice, delta = job.update(item)
                 if not delta and choice.finish_reason is None and job.top_logprobs is None:
@@ -336,7 +342,8 @@ class OpenAIServing:
                             "finish_reason": choice.finish_reason,
                             **self.prompt_logprobs_field(job, first_chunk=not choice.echo_sent),
                         }
-                    ]
+                    ],
+                    **({"usage": job.usage()} if continuous_usage else {}),
                 )
                 choice.echo_sent = True
             if include_usage:

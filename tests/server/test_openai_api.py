@@ -593,3 +593,20 @@ def test_tokenize_detokenize_and_version(server, model):
 
     with httpx.Client(base_url=server.base_url) as anonymous:  # the key guards the POST routes
         assert anonymous.post("/tokenize", json={"prompt": "a"}).status_code == 401
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(server, model):
+    """vLLM's stream option (guidellm sends it): usage so far in each content chunk."""
+    import json
+
+    with server.http() as http:
+        text = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "Count to five."}],
+            "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }).text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counted[0] == 0  # the assistant-role opening chunk
+    assert counted[-1] == 6 and counted == sorted(counted) and counted[1] >= 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6

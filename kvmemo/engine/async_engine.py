@@ -20,6 +20,7 @@ from typing import Any
 
 from kvmemo.engine.engine import Engine
 from kvmemo.engine.stats import EngineStats, KVInfo
+from kvmemo.intake.processor import ChatOptions
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.outputs import RequestOutput
 from kvmemo.sampling import SamplingParams
@@ -55,6 +56,9 @@ class _Add:
     cache_salt: str | None
     fill_context: bool  # max_tokens = whatever context the prompt leaves
     echo: bool  # the stream needs the prompt as text
+    chat_options: ChatOptions | None  # how messages are rendered
+    add_special_tokens: bool  # a text prompt gets the tokenizer's special tokens
+    truncate_prompt_tokens: int | None  # keep only the prompt's last this many tokens
     stream: RequestStream
     done: asyncio.Future
 
@@ -155,12 +159,17 @@ class AsyncEngine:
         fill_context: bool = False,
         request_id: str | None = None,
         echo: bool = False,
+        chat_options: ChatOptions | None = None,
+        add_special_tokens: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> RequestStream:
         """Queue one request of params.n sequences; returns once the engine accepted it.
 
         Raises ValueError (bad prompt, too long, bad cache_salt), QueueFullError or
         EngineDeadError. Exactly one of prompt and messages must be given. echo: the stream's
-        prompt_text holds the prompt as text (decoded, for a token-id prompt).
+        prompt_text holds the prompt as text (decoded, for a token-id prompt). chat_options
+        render messages; add_special_tokens applies to a text prompt; truncate_prompt_tokens
+        keeps the prompt's last that many tokens.
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
@@ -170,7 +179,8 @@ class AsyncEngine:
         done = loop.create_future()
         self._submit(
             _Add(
-                request_id, prompt, messages, params, cache_salt, fill_context, echo, stream, done
+                request_id, prompt, messages, params, cache_salt, fill_context, echo,
+                chat_options, add_special_tokens, truncate_prompt_tokens, stream, done,
             )
         )
         try:
@@ -293,10 +303,14 @@ class AsyncEngine:
             )
         processor = self.engine.processor
         if command.messages is not None:
-            prompt = processor.process_chat(command.messages)
+            prompt = processor.process_chat(command.messages, command.chat_options)
         else:
             assert command.prompt is not None  # add_request takes exactly one of the two
-            prompt = processor.process(command.prompt)
+            prompt = processor.process(
+                command.prompt, add_special_tokens=command.add_special_tokens
+            )
+        if command.truncate_prompt_tokens is not None:
+            prompt = processor.truncate(prompt, command.truncate_prompt_tokens)
         if command.fill_context:
             room = self.max_model_len - len(prompt.token_ids)
             params = params.with_max_tokens(max(room, 1))

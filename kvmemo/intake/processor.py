@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+
 from kvmemo.errors import InputError
 from kvmemo.request import MultiModalItem
 
@@ -33,6 +35,26 @@ class ProcessedPrompt:
     mm_data: list[Any] = field(default_factory=list)  # pixel arrays [3, S, S], parallel to mm_items
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's chat request options, the same names)."""
+
+    add_generation_prompt: bool = True  # end with the assistant's header: the model answers
+    # End inside the last (assistant) message instead, so the model continues it.
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes its own; True adds a BOS on top
+    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    chat_template: str | None = None  # a Jinja template for this request (the model's if None)
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InputError(
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt: false (it continues the "
+                "last message instead of starting a new one)",
+            )
+
+
 class InputProcessor:
     """Owns the tokenizer, the chat template and (for multimodal models) the image spec."""
 
@@ -48,10 +70,17 @@ class InputProcessor:
         self.chat_template = chat_template
         self.image_input = image_input
 
-    def process(self, prompt: str | list[int], images: list[Any] | None = None) -> ProcessedPrompt:
+    def process(
+        self,
+        prompt: str | list[int],
+        images: list[Any] | None = None,
+        *,
+        add_special_tokens: bool = True,
+    ) -> ProcessedPrompt:
         """Tokenize `prompt`; with images, each image marker (e.g. "<image>") becomes the image's
-        placeholder tokens. A token-id prompt marks images with the image token id, unexpanded."""
-        token_ids = self.encode_prompt(prompt)
+        placeholder tokens. A token-id prompt marks images with the image token id, unexpanded.
+        add_special_tokens: the tokenizer's own (a BOS, for models that use one) on a text."""
+        token_ids = self.encode_prompt(prompt, add_special_tokens)
         text = prompt if isinstance(prompt, str) else None
         return self._expand_images(token_ids, list(images or ()), text)
 
@@ -74,7 +103,9 @@ class InputProcessor:
             images = [images]
         return self.process(prompt["prompt"], list(images))
 
-    def process_chat(self, messages: list[dict[str, Any]]) -> ProcessedPrompt:
+    def process_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> ProcessedPrompt:
         """Render a conversation whose contents may be OpenAI content-part lists with images.
 
         OpenAI's message forms are normalised here, once: the "developer" role is "system", a
@@ -87,7 +118,7 @@ class InputProcessor:
         flat = [
             self._flatten_message(i, _normalise_message(m), images) for i, m in enumerate(messages)
         ]
-        text, token_ids = self.encode_chat(flat)
+        text, token_ids = self.encode_chat(flat, options)
         try:
             return self._expand_images(token_ids, images, text)
         except InputError:
@@ -156,11 +187,11 @@ class InputProcessor:
             expanded.extend([spec.image_token_id] * spec.num_image_tokens)
         return ProcessedPrompt(expanded, text, items, data)
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("prompt", _PROMPT_FORMS)
-            return list(self.tokenizer(prompt)["input_ids"])
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise InputError("prompt", _PROMPT_FORMS)
         for t in prompt:
@@ -172,18 +203,53 @@ class InputProcessor:
         return list(prompt)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
     ) -> str:
         validate_messages(messages)
-        kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        options = options or ChatOptions()
+        kwargs: dict[str, Any] = dict(options.template_kwargs or {})
+        template = options.chat_template or self.chat_template
+        if template:
+            kwargs["chat_template"] = template
+        if options.continue_final_message:
+            if messages[-1].get("role") != "assistant":
+                raise InputError(
+                    "continue_final_message",
+                    "continue_final_message needs the last message to be the assistant's",
+                )
+            kwargs["continue_final_message"] = True
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False,
+                add_generation_prompt=options.add_generation_prompt, **kwargs,
+            )
+        except (TypeError, ValueError, jinja2.TemplateError) as e:  # the template refused it
+            raise InputError("messages", f"the chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text = self.render_chat(messages)
-        # The template already wrote the special tokens; do not add a BOS on top.
-        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def encode_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> tuple[str, list[int]]:
+        options = options or ChatOptions()
+        text = self.render_chat(messages, options)
+        # The template already wrote the special tokens: no BOS on top unless asked.
+        encoded = self.tokenizer(text, add_special_tokens=options.add_special_tokens)
+        return text, list(encoded["input_ids"])
+
+    @staticmethod
+    def truncate(prompt: ProcessedPrompt, keep_last: int) -> ProcessedPrompt:
+        """The prompt's last `keep_last` tokens (vLLM's truncate_prompt_tokens): a long
+        conversation keeps its end. Refused for a prompt with images (it could cut one)."""
+        if keep_last < 1:
+            raise InputError(
+                "truncate_prompt_tokens", f"truncate_prompt_tokens must be >= 1, got {keep_last}"
+            )
+        if len(prompt.token_ids) <= keep_last:
+            return prompt
+        if prompt.mm_items:
+            raise InputError(
+                "truncate_prompt_tokens", "truncate_prompt_tokens cannot cut a prompt with images"
+            )
+        return ProcessedPrompt(prompt.token_ids[-keep_last:], None)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -21,7 +21,6 @@ MAX_LOGPROBS = 20
 # OpenAI fields kvmemo does not implement, with the value that means "off".
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "best_of": 1,
-    "echo": False,  # chat only (completions implement it)
     "suffix": None,
     "tools": [],
     "tool_choice": "none",
@@ -126,6 +125,14 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(default=0, ge=0)
     bad_words: list[str] | None = None  # vLLM: words the output never contains
+    # vLLM: keep only the prompt's last this many tokens (-1: as many as the context allows)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM: logprobs name tokens "token_id:<id>" (for tokens that are not valid UTF-8 alone)
+    return_tokens_as_token_ids: bool = False
+    # vLLM: scheduling priority. Accepted and, as under vLLM's default first-come-first-served
+    # policy, not used; request_id names the response (id "cmpl-<request_id>").
+    priority: int = 0
+    request_id: str | None = Field(default=None, min_length=1, max_length=128)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -186,6 +193,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt comes back before the completion (with logprobs: its own)
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens on a text prompt
 
 
 class TextPart(BaseModel):
@@ -213,6 +221,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat extras
+    echo: bool = False  # the reply starts with the last message's content, if the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(default=None, min_length=1)  # Jinja, for this request
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvmemo.errors import InputError
+from kvmemo.intake.processor import ChatOptions
 from kvmemo.server.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from kvmemo.server.serving_common import Choice, Job, OpenAIServing, TokenLogprob
 
@@ -33,6 +34,18 @@ class ServingChat(OpenAIServing):
         # Without max_tokens the engine fills the context (fill_context); until then any value
         # min_tokens allows stands in.
         params = self.sampling_params(body, max_tokens or max(1, body.min_tokens), top_logprobs)
+        options = ChatOptions(
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens,
+            template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
+        )
+        last = messages[-1]
+        # vLLM's chat echo: a reply that continues the assistant's last message starts with it.
+        echo_prefix = last["content"] if body.echo and last["role"] == "assistant" else ""
+        if not isinstance(echo_prefix, str):  # content parts with images: nothing to echo
+            echo_prefix = ""
         return await self.generate(
             body,
             request,
@@ -41,12 +54,16 @@ class ServingChat(OpenAIServing):
             ignored_fields=ignored,
             messages=messages,
             fill_context=max_tokens is None,
+            chat_options=options,
+            echo_prefix=echo_prefix,
         )
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": choice.text}}
+        return {"message": {"role": "assistant", "content": job.echo_prefix + choice.text}}
 
     def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any]:
+        if job.echo_prefix and not choice.echo_sent:  # the choice's first content chunk
+            delta = job.echo_prefix + delta
         return {"delta": {"content": delta} if delta else {}}
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
@@ -64,8 +81,9 @@ class ServingChat(OpenAIServing):
         self, job: Job, choice: Choice, start: int, entries: list[TokenLogprob]
     ) -> dict[str, Any]:
         def item(token_id: int, logprob: float | None) -> dict[str, Any]:
-            token = job.token_text(token_id)
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+            text = job.token_text(token_id)
+            return {"token": job.logprob_token(token_id), "logprob": logprob,
+                    "bytes": list(text.encode())}
 
         return {
             "content": [

@@ -60,6 +60,9 @@ class Job:
     n: int
     top_logprobs: int | None  # None = no logprobs
     echo: bool = False  # completions: the prompt comes before the output (and its logprobs)
+    echo_prefix: str = ""  # chat: the text the reply starts with (the echoed last message)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    name: str | None = None  # the client's request_id: the response id ends with it
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
@@ -110,6 +113,10 @@ class Job:
 
     def token_text(self, token_id: int) -> str:
         return self.token_texts.get(token_id, "")
+
+    def logprob_token(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or "token_id:<id>" when asked."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)
 
     def take_logprobs(self, choice: Choice) -> tuple[int, list[TokenLogprob]]:
         """The position of the first unsent logprob and the unsent ones (now marked sent)."""
@@ -245,15 +252,21 @@ class OpenAIServing:
         top_logprobs: int | None,
         ignored_fields: list[str] | None = None,
         echo: bool = False,
+        echo_prefix: str = "",
         **inputs: Any,
     ) -> Response:
-        """Queue the request (`inputs`: prompt= or messages=, ...) and answer it."""
+        """Queue the request (`inputs`: prompt= or messages=, chat_options=, ...) and answer it.
+        echo: completions' (the prompt leads the text); echo_prefix: chat's (the last
+        assistant message's content leads the reply)."""
         headers = {"kvmemo-ignored-fields": ",".join(ignored_fields)} if ignored_fields else None
+        truncate = body.truncate_prompt_tokens
         stream = await self.engine.add_request(
             params, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24], echo=echo,
+            truncate_prompt_tokens=self.engine.max_model_len if truncate == -1 else truncate,
             **inputs,
         )
-        job = Job(stream, params.n, top_logprobs, echo=echo)
+        job = Job(stream, params.n, top_logprobs, echo=echo, echo_prefix=echo_prefix,
+                  tokens_as_ids=body.return_tokens_as_token_ids, name=body.request_id)
         if body.stream:
             options = body.stream_options
             include_usage = options is not None and options.include_usage
@@ -281,7 +294,7 @@ class OpenAIServing:
         return {"prompt_logprobs": job.prompt_logprobs_json()}
 
     def response_id(self, job: Job) -> str:
-        return self.id_prefix + job.stream.request_id
+        return self.id_prefix + (job.name or job.stream.request_id)
 
     def new_logprobs(self, job: Job, choice: Choice) -> dict[str, Any] | None:
         """The logprobs of tokens not yet sent, in the API's layout (and mark them sent)."""

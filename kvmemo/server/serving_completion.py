@@ -40,7 +40,7 @@ class ServingCompletion(OpenAIServing):
         )
         return await self.generate(
             body, request, params, body.logprobs, ignored_fields=ignored, echo=body.echo,
-            prompt=prompt,
+            prompt=prompt, add_special_tokens=body.add_special_tokens,
         )
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
@@ -79,11 +79,12 @@ class ServingCompletion(OpenAIServing):
         for e in entries:
             offsets.append(offset)
             offset += len(text(e.token_id))
+        name = job.logprob_token
         return {
-            "tokens": [text(e.token_id) for e in entries],
+            "tokens": [name(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [
-                None if e.top is None else {text(i): v for i, v in e.top} for e in entries
+                None if e.top is None else {name(i): v for i, v in e.top} for e in entries
             ],
             "text_offset": offsets,
         }

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmemo.errors import InputError
+from kvmemo.intake.processor import ChatOptions
 from kvmemo.server.protocol import ChatMessage
 from kvmemo.server.serving_common import check_model
 
@@ -28,8 +29,12 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    # prompt only (a chat's template writes its own special tokens, and the assistant header)
-    add_special_tokens: bool = True
+    # The tokenizer's special tokens (default: true for a prompt, false for messages, whose
+    # template writes its own); the chat options are the chat route's.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -48,13 +53,17 @@ def add_token_routes(
             raise InputError("prompt", "give exactly one of prompt and messages")
 
         def run(e: Engine) -> list[int]:
+            special = body.add_special_tokens
             if body.prompt is not None:
-                encoded = e.processor.tokenizer(
-                    body.prompt, add_special_tokens=body.add_special_tokens
-                )
-                return list(encoded["input_ids"])
+                return e.processor.encode_prompt(body.prompt, special is not False)
+            options = ChatOptions(
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=bool(special),
+                template_kwargs=body.chat_template_kwargs,
+            )
             messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
-            return e.processor.process_chat(messages).token_ids
+            return e.processor.process_chat(messages, options).token_ids
 
         tokens = await engine.call(run)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,

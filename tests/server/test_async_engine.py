@@ -18,14 +18,14 @@ from kvmemo.sampling import SamplingParams
 
 
 class _Processor:
-    def process(self, prompt):
+    def process(self, prompt, add_special_tokens=True):
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
             return ProcessedPrompt([ord(c) for c in prompt], prompt)
         return ProcessedPrompt(list(prompt))
 
-    def process_chat(self, messages):
+    def process_chat(self, messages, options=None):
         return self.process("".join(m["content"] for m in messages))
 
 

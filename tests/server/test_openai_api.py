@@ -610,3 +610,56 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(server, model):
     assert counted[0] == 0  # the assistant-role opening chunk
     assert counted[-1] == 6 and counted == sorted(counted) and counted[1] >= 1
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_vllm_chat_and_prompt_extras(server, model):
+    """add_generation_prompt, continue_final_message with echo, truncate_prompt_tokens,
+    return_tokens_as_token_ids and request_id, with vLLM's meanings."""
+    user = {"role": "user", "content": "What colour is the sky?"}
+    started = {"role": "assistant", "content": "The sky is"}
+    with server.http() as http:
+        def tokens(**body):
+            response = http.post("/tokenize", json={"model": model, **body})
+            assert response.status_code == 200, response.text
+            return response.json()["tokens"]
+
+        with_header = tokens(messages=[user])
+        without = tokens(messages=[user], add_generation_prompt=False)
+        assert with_header[: len(without)] == without and len(with_header) > len(without)
+        continued = tokens(messages=[user, started], add_generation_prompt=False,
+                           continue_final_message=True)
+        tail = tokens(prompt="The sky is", add_special_tokens=False)
+        assert continued[-len(tail):] == tail  # ends inside the assistant's message
+        reply = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [user, started], "max_tokens": 4, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "chat_template_kwargs": {"unused_variable": 1},
+        }).json()
+        content = reply["choices"][0]["message"]["content"]
+        assert content.startswith("The sky is") and len(content) > len("The sky is")
+        assert reply["usage"]["prompt_tokens"] == len(continued)
+        both = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [user, started], "continue_final_message": True})
+        assert both.status_code == 400
+        assert both.json()["error"]["param"] == "continue_final_message"
+        long_prompt = " ".join(f"word{i}" for i in range(200))
+        cut = http.post("/v1/completions", json={
+            "model": model, "prompt": long_prompt, "max_tokens": 1,
+            "truncate_prompt_tokens": 8, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "request_id": "my-request-7",
+        }).json()
+        assert cut["usage"]["prompt_tokens"] == 8 and cut["id"] == "cmpl-my-request-7"
+        token = cut["choices"][0]["logprobs"]["tokens"][0]
+        assert token.startswith("token_id:") and token[9:].isdigit()
+        full = http.post("/v1/completions", json={
+            "model": model, "prompt": long_prompt, "max_tokens": 1, "truncate_prompt_tokens": -1,
+        }).json()
+        assert full["usage"]["prompt_tokens"] > 200
+        custom = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [user], "max_tokens": 1,
+            "chat_template": "{% for m in messages %}<<{{ m.content }}>>{% endfor %}",
+        }).json()
+        assert custom["usage"]["prompt_tokens"] == len(tokens(prompt="<<What colour is the sky?>>"))
+        broken = http.post("/v1/chat/completions", json={
+            "model": model, "messages": [user], "chat_template": "{% raise_exception('no') %}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"

@@ -27,10 +27,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # ruff over the whole tree; mypy over the package's typed core (kv, connector, engine, intake,
-# attention, model, structured). Both are configured in pyproject.toml; CI runs this before the tests.
+# attention, model, structured, tool_calls). Both are configured in pyproject.toml; CI runs this
+# before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvmemo tests benchmarks examples
-	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model kvmemo/structured
+	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model kvmemo/structured kvmemo/tool_calls
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

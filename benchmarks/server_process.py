@@ -19,10 +19,18 @@ from benchmarks.paths import ROOT
 
 @contextlib.contextmanager
 def running_server(
-    command: list[str], port: int, env: dict[str, str] | None = None, timeout_s: float = 300
+    command: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+    log_path: Path | None = None,
 ) -> Iterator[str]:
-    """Run `command` (which must listen on `port`) from the repository root; yields its URL."""
-    log = tempfile.NamedTemporaryFile("wb", prefix="kvmemo-bench-", suffix=".log", delete=False)
+    """Run `command` (which must listen on `port`) from the repository root; yields its URL.
+    log_path: keep the server's output there (otherwise a temporary file, removed)."""
+    log = (
+        open(log_path, "wb") if log_path is not None
+        else tempfile.NamedTemporaryFile("wb", prefix="kvmemo-bench-", suffix=".log", delete=False)
+    )
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -42,7 +50,8 @@ def running_server(
             proc.kill()
             proc.wait()
         log.close()
-        Path(log.name).unlink(missing_ok=True)
+        if log_path is None:
+            Path(log.name).unlink(missing_ok=True)
 
 
 def _healthy(url: str) -> bool:

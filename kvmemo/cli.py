@@ -53,6 +53,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument(
+        "--chat-template", default=None, metavar="TEMPLATE",
+        help="a Jinja chat template replacing the model's (a file path or the template text)",
+    )
+    g.add_argument(
         "--no-partial-reuse", action="store_true",
         help="do not copy partially filled matching blocks",
     )
@@ -133,6 +137,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         enable_partial_reuse=not args.no_partial_reuse,
         # One --kv-store stays a string; several are tiers, in the order given.
         kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,
+        chat_template=_text_or_file(args.chat_template),
     )
 
 

@@ -45,6 +45,8 @@ class EngineConfig:
     # them (tiers, looked up in order, saved to all); None = off
     kv_store: str | tuple[str, ...] | None = None
     encoder_cache_memory: str | int = "256MiB"  # image features by content hash (LLaVA models)
+    # A Jinja chat template (its text) replacing the model's own, as vLLM's --chat-template
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, MODEL_DTYPES)

@@ -6,6 +6,7 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +14,10 @@ from tqdm.auto import tqdm
 
 from kvmemo.config import EngineConfig
 from kvmemo.engine import BeamSearchParams, Engine, EngineStats, MemoryStats
-from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
-from kvmemo.outputs import RequestOutput
+from kvmemo.intake.processor import ChatOptions, InputProcessor, ProcessedPrompt
+from kvmemo.outputs import CompletionOutput, RequestOutput
 from kvmemo.sampling import SamplingParams
+from kvmemo.tool_calls import ToolPrompt, parse_reply, tools_for_request
 
 Prompt = str | list[int] | dict[str, Any] | ProcessedPrompt
 Conversation = list[dict[str, Any]]
@@ -58,17 +60,51 @@ class LLM:
         *,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        chat_options: ChatOptions | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {'role', 'content'} dicts) or a list of them.
 
         A content may be a list of OpenAI parts: {"type": "text", "text": ...} and, for
         multimodal models, {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
         or {"type": "image", "image": PIL image | path | bytes}.
+
+        tools, tool_choice, parallel_tool_calls: OpenAI's, rendered and enforced as the server
+        does (docs/server.md, "Tool calling"); assistant turns may carry `tool_calls` and `tool`
+        turns a `tool_call_id`. A reply that calls tools has CompletionOutput.tool_calls (OpenAI
+        form) and finish_reason "tool_calls". chat_options: the template and its options.
         """
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
-        processed = [self.processor.process_chat(conversation) for conversation in messages]
-        return self._run(processed, sampling_params, use_tqdm, cache_salt)
+        conversations = list(messages)
+        params = _per_prompt_params(sampling_params, len(conversations))
+        template = self.processor.template_for(chat_options)
+        prompts, tool_prompts = [], []
+        for i, conversation in enumerate(conversations):
+            tool_prompt = tools_for_request(
+                conversation, tools, tool_choice,
+                parallel_tool_calls=parallel_tool_calls, template=template,
+            )
+            options = chat_options
+            if tool_prompt is not None:
+                conversation = tool_prompt.messages
+                options = dataclasses.replace(
+                    chat_options or ChatOptions(), tools=tool_prompt.template_tools
+                )
+                if tool_prompt.constraint is not None:
+                    params[i] = dataclasses.replace(
+                        params[i], structured_outputs=tool_prompt.constraint
+                    )
+            prompts.append(self.processor.process_chat(conversation, options))
+            tool_prompts.append(tool_prompt)
+        outputs = self._run(prompts, params, use_tqdm, cache_salt)
+        for out, tool_prompt in zip(outputs, tool_prompts):
+            if tool_prompt is not None and tool_prompt.parses_calls:
+                for completion in out.outputs:
+                    _read_tool_calls(completion, tool_prompt)
+        return outputs
 
     def beam_search(
         self,
@@ -189,3 +225,14 @@ def _group_samples(
         else:
             merged[i].outputs.append(out.outputs[0])
     return [m for m in merged if m is not None]
+
+
+def _read_tool_calls(completion: CompletionOutput, tool_prompt: ToolPrompt) -> None:
+    """A finished reply that calls tools gets them (OpenAI form) and finish_reason
+    "tool_calls"; its text stays the model's own."""
+    if completion.finish_reason != "stop":
+        return
+    reply = parse_reply(completion.text, list(tool_prompt.tools), tool_prompt.reply_format)
+    if reply.tool_calls:
+        completion.tool_calls = [call.as_openai() for call in reply.tool_calls]
+        completion.finish_reason = "tool_calls"

@@ -13,7 +13,7 @@ class CompletionOutput:
     index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Per generated token: {token_id: logprob} holding the sampled token and the top-k.
     logprobs: list[dict[int, float]] | None = None
@@ -21,6 +21,9 @@ class CompletionOutput:
     # cumulative_logprob / len(token_ids) ** length_penalty (None for sampled outputs).
     cumulative_logprob: float | None = None
     score: float | None = None
+    # LLM.chat with tools: the calls this reply makes, OpenAI's form ({"id", "type": "function",
+    # "function": {"name", "arguments"}}); finish_reason is then "tool_calls".
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

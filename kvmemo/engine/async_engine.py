@@ -142,6 +142,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.stats: EngineStats = engine.stats()  # the engine thread's latest snapshot
         self.max_model_len: int = engine.max_model_len
+        self.chat_template: str | None = engine.processor.chat_template  # read-only here
         self._kv_info = engine.kv_info()  # fixed when the engine is built
         self.num_generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="kvmemo-engine", daemon=True)

@@ -90,7 +90,8 @@ class Engine:
         self.weights_fingerprint = loaded.weights_fingerprint
         self.tokenizer = loaded.tokenizer
         self.processor = InputProcessor(
-            loaded.tokenizer, arch.vocab_size, loaded.chat_template, loaded.image_input
+            loaded.tokenizer, arch.vocab_size, config.chat_template or loaded.chat_template,
+            loaded.image_input,
         )
         self.max_model_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
@@ -348,6 +349,10 @@ class Engine:
             ):
                 request.stop_reason = tracked.detokenizer.stop_reason
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if not shown:  # ended by EOS or a stop token id: the text is all of the rest
+                self.processor.reply_tokens.remember(
+                    tracked.detokenizer.text, request.output_token_ids[:-1]
+                )
             outputs.append(self._make_output(tracked, now))
             if request.is_finished:
                 del self._tracked[request.request_id]

@@ -10,12 +10,14 @@ allowed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 
 from kvmemo.errors import InputError
+from kvmemo.intake.reply_tokens import ReplyTokenCache
 from kvmemo.request import MultiModalItem
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -45,6 +47,9 @@ class ChatOptions:
     add_special_tokens: bool = False  # the template writes its own; True adds a BOS on top
     template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     chat_template: str | None = None  # a Jinja template for this request (the model's if None)
+    # OpenAI-form tools for a template that takes them (kvmemo.tool_calls decides; the fallback
+    # renders tools into the messages instead)
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -67,6 +72,9 @@ class InputProcessor:
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # The ids of replies this engine generated, so a conversation that sends one back
+        # renders it with them (prefix-stable turns; see reply_tokens.py).
+        self.reply_tokens = ReplyTokenCache()
         self.chat_template = chat_template
         self.image_input = image_input
 
@@ -208,7 +216,9 @@ class InputProcessor:
         validate_messages(messages)
         options = options or ChatOptions()
         kwargs: dict[str, Any] = dict(options.template_kwargs or {})
-        template = options.chat_template or self.chat_template
+        if options.tools:
+            kwargs["tools"] = options.tools
+        template = self.template_for(options)
         if template:
             kwargs["chat_template"] = template
         if options.continue_final_message:
@@ -231,9 +241,48 @@ class InputProcessor:
     ) -> tuple[str, list[int]]:
         options = options or ChatOptions()
         text = self.render_chat(messages, options)
+        known = self._encode_with_known_replies(messages, options, text)
+        if known is not None:
+            return text, known
         # The template already wrote the special tokens: no BOS on top unless asked.
         encoded = self.tokenizer(text, add_special_tokens=options.add_special_tokens)
         return text, list(encoded["input_ids"])
+
+    def _encode_with_known_replies(
+        self, messages: list[dict[str, Any]], options: ChatOptions, text: str
+    ) -> list[int] | None:
+        """The prompt's ids with each assistant message this engine generated spliced in as
+        the ids it was generated as (the text around them tokenized piece by piece); None when
+        no message is known or the template does not render contents verbatim."""
+        known: dict[int, tuple[int, ...]] = {}
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            if message.get("role") == "assistant" and isinstance(content, str) and content:
+                reply_ids = self.reply_tokens.get(content)
+                if reply_ids is not None:
+                    known[i] = reply_ids
+        if not known:
+            return None
+        marked = [
+            {**m, "content": f"\ue000{i}\ue001"} if i in known else m
+            for i, m in enumerate(messages)
+        ]
+        pieces = _MARKER.split(self.render_chat(marked, options))
+        # pieces: text, index, text, index, ..., text. Each marker must appear once, and the
+        # pieces with the contents put back must be exactly the real rendering.
+        indices = [int(p) for p in pieces[1::2]]
+        if sorted(indices) != sorted(known) or "".join(
+            messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)
+        ) != text:
+            return None
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids.extend(known[int(piece)])
+            elif piece:
+                special = options.add_special_tokens and k == 0
+                ids.extend(self.tokenizer(piece, add_special_tokens=special)["input_ids"])
+        return ids
 
     @staticmethod
     def truncate(prompt: ProcessedPrompt, keep_last: int) -> ProcessedPrompt:
@@ -250,6 +299,10 @@ class InputProcessor:
                 "truncate_prompt_tokens", "truncate_prompt_tokens cannot cut a prompt with images"
             )
         return ProcessedPrompt(prompt.token_ids[-keep_last:], None)
+
+    def template_for(self, options: ChatOptions | None) -> str | None:
+        """The chat template a request renders with."""
+        return (options.chat_template if options else None) or self.chat_template
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -275,6 +328,9 @@ def _image_source(part: dict[str, Any], where: str) -> Any:  # raises InputError
             "remote URLs and paths are not fetched"
         )
     return value
+
+
+_MARKER = re.compile("\ue000(\\d+)\ue001")  # an assistant content's place in a rendering
 
 
 def _normalise_message(message: Any) -> Any:

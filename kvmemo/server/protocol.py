@@ -22,11 +22,8 @@ MAX_LOGPROBS = 20
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "best_of": 1,
     "suffix": None,
-    "tools": [],
-    "tool_choice": "none",
     "functions": [],
     "function_call": "none",
-    "parallel_tool_calls": None,
     "service_tier": None,
     "store": False,
     "metadata": None,
@@ -207,12 +204,36 @@ class ImagePart(BaseModel):
     type: Literal["image_url", "input_image", "image"]
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: (
-        str | list[TextPart | ImagePart] | None
-    )  # required; null only means "" (assistant turns)
+    # Required, but null only means "" (an assistant turn that only calls tools); absent is
+    # allowed for such a turn too.
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None  # accepted: a participant's name (not rendered)
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if "content" not in self.model_fields_set and not self.tool_calls:
+            raise ValueError("content is required (it may be null on a turn with tool_calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -228,6 +249,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(default=None, min_length=1)  # Jinja, for this request
+    # Tool calling (kvmemo.tool_calls): OpenAI's fields; checked there (400 naming the field)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------

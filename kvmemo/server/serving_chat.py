@@ -8,6 +8,7 @@ context.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -15,8 +16,11 @@ from fastapi.responses import Response
 
 from kvmemo.errors import InputError
 from kvmemo.intake.processor import ChatOptions
+from kvmemo.sampling import SamplingParams
 from kvmemo.server.protocol import ChatCompletionRequest, ChatMessage, ImagePart
 from kvmemo.server.serving_common import Choice, Job, OpenAIServing, TokenLogprob
+from kvmemo.server.tool_replies import ToolReplies
+from kvmemo.tool_calls.render import tools_for_request
 
 
 class ServingChat(OpenAIServing):
@@ -26,7 +30,7 @@ class ServingChat(OpenAIServing):
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         ignored = self.check_common(body)
-        messages = [_engine_message(i, message) for i, message in enumerate(body.messages)]
+        messages = [engine_message(i, message) for i, message in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise InputError("top_logprobs", "top_logprobs requires logprobs: true")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -41,30 +45,83 @@ class ServingChat(OpenAIServing):
             template_kwargs=body.chat_template_kwargs,
             chat_template=body.chat_template,
         )
+        tool_replies, params, messages, options = self._with_tools(
+            body, params, messages, options
+        )
         last = messages[-1]
         # vLLM's chat echo: a reply that continues the assistant's last message starts with it.
         echo_prefix = last["content"] if body.echo and last["role"] == "assistant" else ""
         if not isinstance(echo_prefix, str):  # content parts with images: nothing to echo
             echo_prefix = ""
-        return await self.generate(
-            body,
-            request,
-            params,
-            top_logprobs,
-            ignored_fields=ignored,
-            messages=messages,
-            fill_context=max_tokens is None,
-            chat_options=options,
-            echo_prefix=echo_prefix,
+        try:
+            return await self.generate(
+                body,
+                request,
+                params,
+                top_logprobs,
+                ignored_fields=ignored,
+                messages=messages,
+                fill_context=max_tokens is None,
+                chat_options=options,
+                echo_prefix=echo_prefix,
+                tool_replies=tool_replies,
+            )
+        except InputError as e:
+            if tool_replies is not None and e.param == "structured_outputs":
+                # The constraint came from the tools' schemas: name what the client sent.
+                raise InputError("tools", f"a tool's parameters do not compile: {e}") from None
+            raise
+
+    def _with_tools(
+        self,
+        body: ChatCompletionRequest,
+        params: SamplingParams,
+        messages: list[dict[str, Any]],
+        options: ChatOptions,
+    ) -> tuple[ToolReplies | None, SamplingParams, list[dict[str, Any]], ChatOptions]:
+        """Tools rendered into the prompt (kvmemo.tool_calls), a `required` or named choice as
+        the reply's constraint, and the ToolReplies that parse the answer; unchanged without
+        tools or tool history."""
+        prompt = tools_for_request(
+            messages, body.tools, body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            template=body.chat_template or self.engine.chat_template,
         )
+        if prompt is None:
+            return None, params, messages, options
+        if prompt.constraint is not None:
+            if params.structured_outputs is not None:
+                raise InputError(
+                    "tool_choice",
+                    f"tool_choice {prompt.choice.mode!r} constrains the reply itself; drop "
+                    "response_format / structured outputs or use tool_choice auto",
+                )
+            params = dataclasses.replace(params, structured_outputs=prompt.constraint)
+        options = dataclasses.replace(options, tools=prompt.template_tools)
+        replies = ToolReplies(list(prompt.tools), prompt.reply_format) if prompt.parses_calls \
+            else None
+        return replies, params, prompt.messages, options
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
+        if job.tool_replies is not None:
+            index = job.choices.index(choice)
+            return {"message": job.tool_replies.message(index, choice.text, choice.finish_reason)}
         return {"message": {"role": "assistant", "content": job.echo_prefix + choice.text}}
 
-    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any]:
+    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any] | None:
+        if job.tool_replies is not None:
+            index = job.choices.index(choice)
+            tool_delta = job.tool_replies.delta(index, choice.text, delta, choice.finish_reason)
+            return None if tool_delta is None else {"delta": tool_delta}
         if job.echo_prefix and not choice.echo_sent:  # the choice's first content chunk
             delta = job.echo_prefix + delta
         return {"delta": {"content": delta} if delta else {}}
+
+    def finish_reason(self, job: Job, choice: Choice) -> str | None:
+        if job.tool_replies is not None:
+            index = job.choices.index(choice)
+            return job.tool_replies.finish_reason(index, choice.text, choice.finish_reason)
+        return choice.finish_reason
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
         return [
@@ -94,7 +151,7 @@ class ServingChat(OpenAIServing):
         }
 
 
-def _engine_message(index: int, message: ChatMessage) -> dict[str, Any]:
+def engine_message(index: int, message: ChatMessage) -> dict[str, Any]:
     """A ChatMessage as the engine's chat template takes it."""
     content = message.content
     if isinstance(content, list):
@@ -111,4 +168,9 @@ def _engine_message(index: int, message: ChatMessage) -> dict[str, Any]:
             content = "\n".join(part.text for part in content)
     # The template knows system, not OpenAI's newer "developer" name for it.
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out

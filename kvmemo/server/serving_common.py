@@ -63,6 +63,7 @@ class Job:
     echo_prefix: str = ""  # chat: the text the reply starts with (the echoed last message)
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
     name: str | None = None  # the client's request_id: the response id ends with it
+    tool_replies: Any = None  # chat with tools: its ToolReplies (serving_chat's)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
@@ -179,9 +180,13 @@ class OpenAIServing:
         """A full response's choice content ("text", "message")."""
         raise NotImplementedError
 
-    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any]:
-        """A streamed chunk's choice content for `delta`, the choice's new text."""
+    def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any] | None:
+        """A streamed chunk's choice content for `delta`, the choice's new text; None: send
+        nothing yet."""
         raise NotImplementedError
+
+    def finish_reason(self, job: Job, choice: Choice) -> str | None:
+        return choice.finish_reason
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
         """The choices of a chunk sent before any output; none: no such chunk."""
@@ -253,6 +258,7 @@ class OpenAIServing:
         ignored_fields: list[str] | None = None,
         echo: bool = False,
         echo_prefix: str = "",
+        tool_replies: Any = None,
         **inputs: Any,
     ) -> Response:
         """Queue the request (`inputs`: prompt= or messages=, chat_options=, ...) and answer it.
@@ -266,7 +272,8 @@ class OpenAIServing:
             **inputs,
         )
         job = Job(stream, params.n, top_logprobs, echo=echo, echo_prefix=echo_prefix,
-                  tokens_as_ids=body.return_tokens_as_token_ids, name=body.request_id)
+                  tokens_as_ids=body.return_tokens_as_token_ids, name=body.request_id,
+                  tool_replies=tool_replies)
         if body.stream:
             options = body.stream_options
             include_usage = options is not None and options.include_usage
@@ -311,7 +318,7 @@ class OpenAIServing:
                 "index": i,
                 **self.choice_fields(job, c),
                 "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
+                "finish_reason": self.finish_reason(job, c),
                 **self.prompt_logprobs_field(job),
             })
         return {
@@ -345,14 +352,17 @@ class OpenAIServing:
                 choice, delta = job.update(item)
                 if not delta and choice.finish_reason is None and job.top_logprobs is None:
                     continue
+                fields = self.delta_fields(job, choice, delta)
+                if fields is None:  # held back (a reply that may be a tool call)
+                    continue
                 logprobs = self.new_logprobs(job, choice)
                 yield event(
                     [
                         {
                             "index": item.index,
-                            **self.delta_fields(job, choice, delta),
+                            **fields,
                             "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason,
+                            "finish_reason": self.finish_reason(job, choice),
                             **self.prompt_logprobs_field(job, first_chunk=not choice.echo_sent),
                         }
                     ],

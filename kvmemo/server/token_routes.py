@@ -7,6 +7,7 @@ safe to share across threads. Both POST routes need the API key when one is set.
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -16,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvmemo.errors import InputError
 from kvmemo.intake.processor import ChatOptions
 from kvmemo.server.protocol import ChatMessage
+from kvmemo.server.serving_chat import engine_message as _engine_message
 from kvmemo.server.serving_common import check_model
+from kvmemo.tool_calls import tools_for_request
 
 if TYPE_CHECKING:
     from kvmemo.engine import AsyncEngine, Engine
@@ -35,6 +38,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as the chat route renders them
 
 
 class DetokenizeRequest(BaseModel):
@@ -62,7 +66,13 @@ def add_token_routes(
                 add_special_tokens=bool(special),
                 template_kwargs=body.chat_template_kwargs,
             )
-            messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+            messages = [_engine_message(i, m) for i, m in enumerate(body.messages or [])]
+            tool_prompt = tools_for_request(
+                messages, body.tools, template=e.processor.template_for(options)
+            )
+            if tool_prompt is not None:
+                messages = tool_prompt.messages
+                options = dataclasses.replace(options, tools=tool_prompt.template_tools)
             return e.processor.process_chat(messages, options).token_ids
 
         tokens = await engine.call(run)

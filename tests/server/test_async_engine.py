@@ -18,6 +18,8 @@ from kvmemo.sampling import SamplingParams
 
 
 class _Processor:
+    chat_template = None
+
     def process(self, prompt, add_special_tokens=True):
         if isinstance(prompt, str):
             if not prompt:

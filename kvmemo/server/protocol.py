@@ -21,6 +21,11 @@ MAX_LOGPROBS = 20
 # OpenAI fields kvmemo does not implement, with the value that means "off".
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {
     "best_of": 1,
+    # vLLM's, not implemented: beam search over HTTP (offline: LLM.beam_search), custom logits
+    # processors, a custom whitespace pattern, structural tags
+    "use_beam_search": False,
+    "logits_processors": None,
+    "guided_whitespace_pattern": None,
     "suffix": None,
     "functions": [],
     "function_call": "none",
@@ -82,8 +87,17 @@ class StructuredOutputsField(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # vLLM's backend options. kvmemo has one backend, writes JSON without free whitespace and,
+    # unless a schema says otherwise, without additional properties: these change nothing.
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
 
     def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The constraint's fields only (for StructuredOutputsParams)."""
+        kwargs.setdefault("exclude", set()).update(
+            {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
+        )
         return super().model_dump(by_alias=True, **kwargs)
 
 

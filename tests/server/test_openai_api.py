@@ -663,3 +663,24 @@ def test_vllm_chat_and_prompt_extras(server, model):
         broken = http.post("/v1/chat/completions", json={
             "model": model, "messages": [user], "chat_template": "{% raise_exception('no') %}"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+
+
+def test_vllm_structured_output_options_and_unimplemented_extras(server, model):
+    """vLLM's structured_outputs backend options are accepted (they change nothing here); its
+    extras that kvmemo does not implement are 400s naming them, never silently ignored."""
+    with server.http() as http:
+        ok = http.post("/v1/completions", json={
+            "model": model, "prompt": "Pick:", "max_tokens": 4,
+            "structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": True,
+                                   "disable_fallback": True},
+        })
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("a", "b")
+        for field, value in (("use_beam_search", True), ("logits_processors", ["x"]),
+                             ("guided_whitespace_pattern", " *")):
+            bad = http.post("/v1/completions", json={
+                "model": model, "prompt": "hi", "max_tokens": 2, field: value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+        tag = http.post("/v1/completions", json={
+            "model": model, "prompt": "hi", "max_tokens": 2,
+            "structured_outputs": {"structural_tag": "{}"}})
+        assert tag.status_code == 400

@@ -97,7 +97,9 @@ class LLM:
                     params[i] = dataclasses.replace(
                         params[i], structured_outputs=tool_prompt.constraint
                     )
-            prompts.append(self.processor.process_chat(conversation, options))
+            prompts.append(
+                self.processor.process_chat(conversation, options, cache_salt=cache_salt)
+            )
             tool_prompts.append(tool_prompt)
         outputs = self._run(prompts, params, use_tqdm, cache_salt)
         for out, tool_prompt in zip(outputs, tool_prompts):

@@ -319,7 +319,9 @@ class AsyncEngine:
             )
         processor = self.engine.processor
         if command.messages is not None:
-            prompt = processor.process_chat(command.messages, command.chat_options)
+            prompt = processor.process_chat(
+                command.messages, command.chat_options, cache_salt=command.cache_salt
+            )
         else:
             assert command.prompt is not None  # add_request takes exactly one of the two
             prompt = processor.process(

@@ -351,7 +351,7 @@ class Engine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if not shown:  # ended by EOS or a stop token id: the text is all of the rest
                 self.processor.reply_tokens.remember(
-                    tracked.detokenizer.text, request.output_token_ids[:-1]
+                    tracked.detokenizer.text, request.output_token_ids[:-1], request.cache_salt
                 )
             outputs.append(self._make_output(tracked, now))
             if request.is_finished:

@@ -112,7 +112,11 @@ class InputProcessor:
         return self.process(prompt["prompt"], list(images))
 
     def process_chat(
-        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+        self,
+        messages: list[dict[str, Any]],
+        options: ChatOptions | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> ProcessedPrompt:
         """Render a conversation whose contents may be OpenAI content-part lists with images.
 
@@ -126,7 +130,7 @@ class InputProcessor:
         flat = [
             self._flatten_message(i, _normalise_message(m), images) for i, m in enumerate(messages)
         ]
-        text, token_ids = self.encode_chat(flat, options)
+        text, token_ids = self.encode_chat(flat, options, cache_salt=cache_salt)
         try:
             return self._expand_images(token_ids, images, text)
         except InputError:
@@ -237,11 +241,17 @@ class InputProcessor:
             raise InputError("messages", f"the chat template failed: {e}") from e
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+        self,
+        messages: list[dict[str, Any]],
+        options: ChatOptions | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> tuple[str, list[int]]:
+        """The rendered text and its ids; replies generated under the same cache_salt keep
+        their generated ids (reply_tokens.py)."""
         options = options or ChatOptions()
         text = self.render_chat(messages, options)
-        known = self._encode_with_known_replies(messages, options, text)
+        known = self._encode_with_known_replies(messages, options, text, cache_salt)
         if known is not None:
             return text, known
         # The template already wrote the special tokens: no BOS on top unless asked.
@@ -249,7 +259,8 @@ class InputProcessor:
         return text, list(encoded["input_ids"])
 
     def _encode_with_known_replies(
-        self, messages: list[dict[str, Any]], options: ChatOptions, text: str
+        self, messages: list[dict[str, Any]], options: ChatOptions, text: str,
+        cache_salt: str | None,
     ) -> list[int] | None:
         """The prompt's ids with each assistant message this engine generated spliced in as
         the ids it was generated as (the text around them tokenized piece by piece); None when
@@ -258,7 +269,7 @@ class InputProcessor:
         for i, message in enumerate(messages):
             content = message.get("content")
             if message.get("role") == "assistant" and isinstance(content, str) and content:
-                reply_ids = self.reply_tokens.get(content)
+                reply_ids = self.reply_tokens.get(content, cache_salt)
                 if reply_ids is not None:
                     known[i] = reply_ids
         if not known:

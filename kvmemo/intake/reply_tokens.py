@@ -7,6 +7,8 @@ the prefix cache. So the intake renders a known reply with the ids it was genera
 N+1's prompt then starts with exactly turn N's prompt and answer tokens.
 
 Invariant: an entry maps a text to ids that decode to exactly that text; it is a bounded LRU.
+Entries are kept per cache_salt: whether a text is known changes how a prompt tokenizes (and so
+its usage count), which must not tell one tenant what another was answered.
 """
 
 from __future__ import annotations
@@ -23,25 +25,27 @@ class ReplyTokenCache:
     """Owns the text -> token ids map (thread-safe: the engine fills it, intake reads it)."""
 
     def __init__(self, max_entries: int = _MAX_ENTRIES):
-        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str | None, str], tuple[int, ...]] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
         self.hits = 0
 
-    def remember(self, text: str, token_ids: Sequence[int]) -> None:
+    def remember(self, text: str, token_ids: Sequence[int], salt: str | None = None) -> None:
         if not text or not token_ids or len(text) > _MAX_TEXT_CHARS:
             return
+        key = (salt, text)
         with self._lock:
-            self._entries[text] = tuple(token_ids)
-            self._entries.move_to_end(text)
+            self._entries[key] = tuple(token_ids)
+            self._entries.move_to_end(key)
             while len(self._entries) > self._max_entries:
                 self._entries.popitem(last=False)
 
-    def get(self, text: str) -> tuple[int, ...] | None:
+    def get(self, text: str, salt: str | None = None) -> tuple[int, ...] | None:
+        key = (salt, text)
         with self._lock:
-            ids = self._entries.get(text)
+            ids = self._entries.get(key)
             if ids is not None:
-                self._entries.move_to_end(text)
+                self._entries.move_to_end(key)
                 self.hits += 1
             return ids
 

@@ -176,3 +176,25 @@ def test_engine_chat_template_replaces_the_models():
     assert prompt.text == "[user] hi\n[assistant] "
     assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
                     use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.model
+def test_generated_reply_ids_are_kept_per_cache_salt(llm):
+    """A reply's generated ids come back only for the tenant (cache_salt) it was generated for:
+    whether a text is known changes how a prompt tokenizes, which must not leak across."""
+    params = SamplingParams(max_tokens=80, temperature=0.9, seed=21)
+    turn1 = llm.chat(QUESTION, params, tools=TOOLS, tool_choice="required",
+                     parallel_tool_calls=False, use_tqdm=False, cache_salt="tenant-a")[0]
+    call = turn1.outputs[0].tool_calls[0]
+    history = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "user", "content": "Thanks."}]
+    messages = tools_for_request(history, TOOLS, template=llm.processor.chat_template).messages
+    same = llm.processor.process_chat(messages, cache_salt="tenant-a").token_ids
+    other = llm.processor.process_chat(messages, cache_salt="tenant-b").token_ids
+    text = llm.processor.render_chat(messages)
+    plain = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    sent = turn1.prompt_token_ids + turn1.outputs[0].token_ids
+    assert same[: len(sent)] == sent
+    assert same != plain  # the generated ids differ from a re-tokenization (else no test)
+    assert other == plain  # tenant b sees the ordinary tokenization
+    assert llm.tokenizer.decode(same) == llm.tokenizer.decode(other) == text

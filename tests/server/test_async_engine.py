@@ -27,7 +27,7 @@ class _Processor:
             return ProcessedPrompt([ord(c) for c in prompt], prompt)
         return ProcessedPrompt(list(prompt))
 
-    def process_chat(self, messages, options=None):
+    def process_chat(self, messages, options=None, cache_salt=None):
         return self.process("".join(m["content"] for m in messages))
 
 

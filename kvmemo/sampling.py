@@ -81,20 +81,13 @@ class SamplingParams:
         )
         _check(
             "stop_token_ids",
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_token_id(t) for t in self.stop_token_ids),
             "stop_token_ids must hold non-negative integers",
         )
-        _check(
-            "logprobs",
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}",
-        )
-        _check(
-            "prompt_logprobs",
-            self.prompt_logprobs is None
-            or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-            f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            _check(name, k is None or (isinstance(k, int) and 0 <= k <= 20),
+                   f"{name} must be None or an integer in [0, 20], got {k!r}")
         _check(
             "seed",
             self.seed is None or isinstance(self.seed, int),
@@ -113,8 +106,7 @@ class SamplingParams:
         _check(
             "logit_bias",
             bias is None or (isinstance(bias, dict) and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                and _is_number(b) and -100.0 <= b <= 100.0 for t, b in bias.items()
+                _is_token_id(t) and _is_number(b) and -100.0 <= b <= 100.0 for t, b in bias.items()
             )),
             f"logit_bias must map token ids (integers >= 0) to biases in [-100, 100], got {bias!r}",
         )
@@ -124,7 +116,6 @@ class SamplingParams:
             f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
             f"got {self.min_tokens!r}",
         )
-
         _check(
             "bad_words",
             all(isinstance(w, str) and w.strip() for w in self.bad_words),
@@ -134,8 +125,7 @@ class SamplingParams:
         _check(
             "bad_words",
             all(
-                isinstance(seq, tuple) and seq
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq)
+                isinstance(seq, tuple) and seq and all(_is_token_id(t) for t in seq)
                 for seq in self.bad_words_token_ids
             ),
             "bad_words_token_ids must hold non-empty tuples of token ids",
@@ -143,9 +133,7 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         _check(
             "allowed_token_ids",
-            allowed is None or (len(allowed) > 0 and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed
-            )),
+            allowed is None or (len(allowed) > 0 and all(_is_token_id(t) for t in allowed)),
             f"allowed_token_ids must be None or a non-empty list of token ids, got {allowed!r}",
         )
         if allowed is not None:
@@ -193,6 +181,10 @@ _MIN_TEMPERATURE = 1e-5
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check(param: str, ok: bool, message: str) -> None:

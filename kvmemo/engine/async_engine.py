@@ -153,8 +153,8 @@ class AsyncEngine:
     def run(self) -> None:
         """Step the engine on the calling thread until shutdown() (for an AsyncEngine built
         with start_thread=False). `kvmemo serve` runs it on the main thread and the HTTP server
-        beside it: steps ran 10-20% slower on a second thread on the machines measured
-        (docs/benchmarks.md, "Served")."""
+        beside it: steps ran 10-20% slower on a second thread on the machine measured (AMD
+        EPYC Zen 5; docs/benchmarks.md, "Served")."""
         if self._owns_thread:
             raise RuntimeError("this AsyncEngine steps on its own thread already")
         self._thread = threading.current_thread()

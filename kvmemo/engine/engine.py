@@ -159,19 +159,13 @@ class Engine:
         if params.n != 1:
             raise ValueError("add_request runs one sequence; add params.per_sample() instead")
         vocab = self.processor.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InputError(
-                "logit_bias", f"logit_bias token ids must be in [0, {vocab}), got "
-                f"{max(params.logit_bias)}"
-            )
+        for name, ids in (("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and max(ids) >= vocab:  # SamplingParams checked they are ids >= 0
+                raise InputError(name, f"{name} token ids must be in [0, {vocab}), got {max(ids)}")
         if params.bad_words and not params.bad_words_token_ids:
             params = dataclasses.replace(
                 params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words)
-            )
-        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
-            raise InputError(
-                "allowed_token_ids", f"allowed_token_ids must be in [0, {vocab}), got "
-                f"{max(params.allowed_token_ids)}"
             )
         request = self._new_request(request_id, prompt, params, cache_salt)
         if params.structured_outputs is not None:

@@ -223,13 +223,13 @@ def _masked_by_grammar(
     """logits (a copy unless in_place) with -inf wherever a row's grammar forbids the token.
     Only the constrained rows are touched, so the others' tokens are the same as in a batch
     without grammars."""
-    rows = [i for i, c in enumerate(constraints) if c is not None and not c.is_terminated]
-    if not rows:
+    active = [(i, c) for i, c in enumerate(constraints) if c is not None and not c.is_terminated]
+    if not active:
         return logits
-    active = [c for c in constraints if c is not None and not c.is_terminated]
-    forbidden = ~allowed_token_masks(active, logits.shape[-1], logits.device)  # [n, vocab]
+    allowed = allowed_token_masks([c for _, c in active], logits.shape[-1], logits.device)
+    forbidden = ~allowed  # [n, vocab]
     masked = logits if in_place else logits.clone()
-    for j, row in enumerate(rows):  # row views, filled in place: no gather/scatter copies
+    for j, (row, _) in enumerate(active):  # row views, filled in place: no gather/scatter copies
         masked[row].masked_fill_(forbidden[j], float("-inf"))
     return masked
 

@@ -93,12 +93,12 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
 
-    def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The constraint's fields only (for StructuredOutputsParams)."""
-        kwargs.setdefault("exclude", set()).update(
-            {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
+    def constraint(self) -> StructuredOutputsParams:
+        """The one constraint this object sets (the backend options left out)."""
+        return StructuredOutputsParams(
+            json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+            choice=self.choice, grammar=self.grammar,
         )
-        return super().model_dump(by_alias=True, **kwargs)
 
 
 class StreamOptions(BaseModel):
@@ -173,8 +173,7 @@ class _SamplingFields(BaseModel):
                 )
             found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
         if self.structured_outputs is not None:
-            fields = self.structured_outputs.model_dump(exclude_none=True)
-            found.append(("structured_outputs", StructuredOutputsParams(**fields)))
+            found.append(("structured_outputs", self.structured_outputs.constraint()))
         for name, kind in (
             ("guided_json", "json"), ("guided_regex", "regex"),
             ("guided_choice", "choice"), ("guided_grammar", "grammar"),

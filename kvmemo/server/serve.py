@@ -56,7 +56,7 @@ def serve(
         inner.subscribe_kv_events(publisher.publish)
         logger.info("KV events on %s", kv_events_endpoint)
     # The engine steps on this (the main) thread and the HTTP server runs beside it: model steps
-    # ran 10-20% slower on a second thread (docs/benchmarks.md, "Served").
+    # ran 10-20% slower on a second thread on the machine measured (docs/benchmarks.md).
     engine = AsyncEngine(inner, max_waiting=max_waiting, start_thread=False)
     name = served_model_name or default_model_name(model)
     app = create_app(engine, model_name=name, api_key=api_key, kv_events=publisher)

@@ -104,14 +104,15 @@ class ServingChat(OpenAIServing):
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
         if job.tool_replies is not None:
-            index = job.choices.index(choice)
-            return {"message": job.tool_replies.message(index, choice.text, choice.finish_reason)}
+            message = job.tool_replies.message(choice.index, choice.text, choice.finish_reason)
+            return {"message": message}
         return {"message": {"role": "assistant", "content": job.echo_prefix + choice.text}}
 
     def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any] | None:
         if job.tool_replies is not None:
-            index = job.choices.index(choice)
-            tool_delta = job.tool_replies.delta(index, choice.text, delta, choice.finish_reason)
+            tool_delta = job.tool_replies.delta(
+                choice.index, choice.text, delta, choice.finish_reason
+            )
             return None if tool_delta is None else {"delta": tool_delta}
         if job.echo_prefix and not choice.echo_sent:  # the choice's first content chunk
             delta = job.echo_prefix + delta
@@ -119,8 +120,7 @@ class ServingChat(OpenAIServing):
 
     def finish_reason(self, job: Job, choice: Choice) -> str | None:
         if job.tool_replies is not None:
-            index = job.choices.index(choice)
-            return job.tool_replies.finish_reason(index, choice.text, choice.finish_reason)
+            return job.tool_replies.finish_reason(choice.index, choice.text, choice.finish_reason)
         return choice.finish_reason
 
     def opening_choices(self, n: int) -> list[dict[str, Any]]:
@@ -142,13 +142,11 @@ class ServingChat(OpenAIServing):
             return {"token": job.logprob_token(token_id), "logprob": logprob,
                     "bytes": list(text.encode())}
 
-        return {
-            "content": [
-                {**item(e.token_id, e.logprob), "top_logprobs": [item(i, v) for i, v in top]}
-                for e in entries
-                for top in (e.top or [],)
-            ]
-        }
+        content = []
+        for e in entries:
+            top = [item(i, v) for i, v in e.top or ()]
+            content.append({**item(e.token_id, e.logprob), "top_logprobs": top})
+        return {"content": content}
 
 
 def engine_message(index: int, message: ChatMessage) -> dict[str, Any]:

@@ -37,6 +37,7 @@ _MIN_TEMPERATURE = 1e-5  # below this (and above 0) sampling is greedy
 
 @dataclass
 class Choice:
+    index: int  # which of the request's n samples
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
@@ -76,7 +77,7 @@ class Job:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
-        self.choices = [Choice() for _ in range(self.n)]
+        self.choices = [Choice(i) for i in range(self.n)]
 
     def update(self, item: StreamItem) -> tuple[Choice, str]:
         """Record one engine output; returns the choice and its new text."""
@@ -126,8 +127,7 @@ class Job:
         for i in range(start, len(choice.logprobs)):
             entry = choice.logprobs[i]
             token_id = choice.token_ids[i]
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
-            entries.append(TokenLogprob(token_id, entry[token_id], top))
+            entries.append(TokenLogprob(token_id, entry[token_id], self._top(entry)))
         return start, entries
 
     def prompt_entries(self) -> list[TokenLogprob]:
@@ -138,9 +138,12 @@ class Job:
             if entry is None:
                 entries.append(TokenLogprob(token_id, None, None))
                 continue
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs or 0]
-            entries.append(TokenLogprob(token_id, entry[token_id], top))
+            entries.append(TokenLogprob(token_id, entry[token_id], self._top(entry)))
         return entries
+
+    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
+        """An entry's top_logprobs best alternatives, best first."""
+        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs or 0]
 
     def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None] | None:
         """vLLM's choice-level `prompt_logprobs`: per prompt token, {"token id": {"logprob",

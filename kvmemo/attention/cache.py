@@ -89,10 +89,18 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        slot_of_layer: list[int] | None = None,
     ) -> PagedKVCache:
+        """Zeroed pages for every layer. slot_of_layer (a hybrid layout's layer -> slot) makes
+        layers of different groups share the page tensor of their slot: a block id then names
+        one group's page of those layers, and the pool holds max(slot) + 1 layers per block."""
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        slots = slot_of_layer if slot_of_layer is not None else list(range(num_layers))
+        num_slots = max(slots) + 1
+        k_slots = [_zeros(shape, dtype, device) for _ in range(num_slots)]
+        v_slots = [_zeros(shape, dtype, device) for _ in range(num_slots)]
+        k = [k_slots[slot] for slot in slots]
+        v = [v_slots[slot] for slot in slots]
         cache = cls(k_pages=k, v_pages=v, block_size=block_size)
         if dtype == FP8_DTYPE:  # the identity transform until calibrated (see fp8.py)
             f32 = torch.float32
@@ -137,9 +145,15 @@ class PagedKVCache:
         return self.dtype == FP8_DTYPE
 
     @property
+    def distinct_pages(self) -> list[torch.Tensor]:
+        """Every page tensor once (hybrid layouts share a slot's tensor between layers)."""
+        return list({id(p): p for p in (*self.k_pages, *self.v_pages)}.values())
+
+    @property
     def bytes_per_token(self) -> int:
-        """Measured on the allocated pages: bytes of all layers' K and V per cached token."""
-        total = sum(p.numel() * p.element_size() for p in (*self.k_pages, *self.v_pages))
+        """Measured on the allocated pages: bytes of one block's K and V per cached token (all
+        layers; a hybrid layout's one group of layers)."""
+        total = sum(p.numel() * p.element_size() for p in self.distinct_pages)
         return total // (self.num_blocks * self.block_size)
 
     def set_scales(
@@ -198,8 +212,9 @@ class PagedKVCache:
         Order matters: a later copy may overwrite a block an earlier one read from. Bytes are
         copied as stored, so fp8 pages keep their (per-head, not per-block) scales valid.
         """
+        all_pages = self.distinct_pages
         for src, dst, num_tokens in copies:
-            for pages in (*self.k_pages, *self.v_pages):
+            for pages in all_pages:
                 pages[:, dst, :num_tokens].copy_(pages[:, src, :num_tokens])
 
     def write(

@@ -8,6 +8,7 @@ scheduler's business, not attention's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ class AttentionMetadata:
     query_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of query_lens)
     seq_lens_t: torch.Tensor  # [num_seqs] int64 (device copy of seq_lens)
     num_cache_blocks: int = 0  # size of the pool the block ids were checked against
+    # Sliding-window layers: a query at position p sees keys p - window < k <= p only. The
+    # tables were cropped by `build` to start at the first block any query can still see, so
+    # positions here are relative to that block (the window relation does not change).
+    sliding_window: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -43,14 +48,19 @@ class AttentionMetadata:
     def build(
         cls,
         *,
-        block_tables: list[list[int]],
+        block_tables: Sequence[Sequence[int | None]],
         num_computed_tokens: list[int],
         query_lens: list[int],
         block_size: int,
         num_cache_blocks: int,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """Validate the per-sequence lists and derive slot mapping and padded tensors.
+
+        With a sliding_window, each table is first cropped to start at the block holding
+        position num_computed - window + 1 (the first key the step's first query sees); entries
+        before it may be None (blocks the window no longer needs, already released).
 
         Raises:
             ValueError: lists of different lengths, a query_len < 1, a negative computed count, a
@@ -68,11 +78,17 @@ class AttentionMetadata:
             )
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if sliding_window is not None:
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+            block_tables, num_computed_tokens = _crop_to_window(
+                block_tables, num_computed_tokens, block_size, sliding_window
+            )
         for s in range(num_seqs):
             _check_sequence(s, block_tables[s], num_computed_tokens[s], query_lens[s], block_size)
         seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
         max_blocks = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        padded = [[*t] + [0] * (max_blocks - len(t)) for t in block_tables]
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)
@@ -95,13 +111,38 @@ class AttentionMetadata:
             query_lens_t=torch.tensor(query_lens, dtype=torch.int64, device=device),
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             num_cache_blocks=num_cache_blocks,
+            sliding_window=sliding_window,
         )
 
 
+def first_window_block(num_computed: int, block_size: int, window: int) -> int:
+    """Index of the first block a query at position >= num_computed can see through `window`."""
+    return max(0, num_computed - window + 1) // block_size
+
+
+def _crop_to_window(
+    block_tables: Sequence[Sequence[int | None]],
+    num_computed_tokens: list[int],
+    block_size: int,
+    window: int,
+) -> tuple[list[Sequence[int | None]], list[int]]:
+    tables: list[Sequence[int | None]] = []
+    computed = []
+    for table, num_computed in zip(block_tables, num_computed_tokens):
+        first = first_window_block(num_computed, block_size, window)
+        tables.append(table[first:])
+        computed.append(num_computed - first * block_size)
+    return tables, computed
+
+
 def _check_sequence(
-    s: int, table: list[int], num_computed: int, query_len: int, block_size: int
+    s: int, table: Sequence[int | None], num_computed: int, query_len: int, block_size: int
 ) -> None:
     who = f"sequence {s}"
+    if any(block is None for block in table):
+        raise ValueError(
+            f"block table of {who} lacks a block its window still sees (released): {table}"
+        )
     if not isinstance(query_len, int) or query_len < 1:
         raise ValueError(f"query_lens of {who} must be an integer >= 1, got {query_len!r}")
     if not isinstance(num_computed, int) or num_computed < 0:

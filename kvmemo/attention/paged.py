@@ -37,6 +37,7 @@ class PrefillSeq:
     end: int
     seq_len: int  # keys it attends to (cached + new)
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] its pages, in order
+    window: int | None = None  # set when a sliding window hides some of those keys
 
 
 @dataclass(slots=True)
@@ -56,12 +57,20 @@ class StepPlan:
     decode_table_rows: torch.Tensor | None  # [B] block_tables row of each decode; None: all rows
     decode_seq_lens: torch.Tensor | None  # [B] keys each decode sequence attends to
     prefills: list[PrefillSeq]
+    # A sliding window hides keys of some decode sequence: decode_valid masks them, and the
+    # compiled kernel (which reads every key it is given) is not used.
+    decode_windowed: bool = False
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, metadata: AttentionMetadata) -> StepPlan:
         block_size = metadata.block_size
-        cascade_blocks = cascade_prefix_blocks(metadata)
+        # The window matters only where a sequence holds more keys than it: a query at (local)
+        # position p >= window has keys it must not see.
+        window = metadata.sliding_window
+        if window is not None and max(metadata.seq_lens, default=0) <= window:
+            window = None
+        cascade_blocks = 0 if window is not None else cascade_prefix_blocks(metadata)
         cascade_first_block = contiguous_run_start(metadata.block_tables[0, :cascade_blocks])
         decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
         rows = block_ids = valid = table_rows = decode_lens = None
@@ -72,10 +81,15 @@ class StepPlan:
             num_blocks = -(-max(seq_lens) // block_size)
             tables = metadata.block_tables if all_decode else metadata.block_tables[decode]
             block_ids = tables[:, :num_blocks].reshape(-1)  # [B * nb]; padding reads block 0
-            if any(n != num_blocks * block_size for n in seq_lens):
+            windowed = window is not None and max(seq_lens) > window
+            if windowed or any(n != num_blocks * block_size for n in seq_lens):
                 lens = metadata.seq_lens_t if all_decode else metadata.seq_lens_t[decode]
                 positions = torch.arange(num_blocks * block_size, device=lens.device)
-                valid = (positions[None, :] < lens[:, None])[:, None, None, :]
+                keep = positions[None, :] < lens[:, None]  # [B, L]
+                if windowed:  # the query sits at lens - 1 and sees keys > lens - 1 - window
+                    assert window is not None
+                    keep &= positions[None, :] >= lens[:, None] - window
+                valid = keep[:, None, None, :]
             decode_lens = metadata.seq_lens_t
             if not all_decode:
                 device = metadata.seq_lens_t.device
@@ -94,11 +108,13 @@ class StepPlan:
                         end=metadata.query_start_loc[s + 1],
                         seq_len=seq_len,
                         block_ids=metadata.block_tables[s, : -(-seq_len // block_size)],
+                        window=window if window is not None and seq_len > window else None,
                     )
                 )
         return cls(
             cascade_blocks, cascade_first_block, decode, rows, block_ids, num_blocks, valid,
             metadata.block_tables, table_rows, decode_lens, prefills,
+            decode_windowed=bool(decode) and window is not None,
         )
 
     def decode_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -161,7 +177,8 @@ def paged_attention_pages(
         )
     for seq in plan.prefills:
         out[seq.start : seq.end] = prefill_attention(
-            q[seq.start : seq.end], k_pages, v_pages, seq.block_ids, seq.seq_len, scale, workspace
+            q[seq.start : seq.end], k_pages, v_pages, seq.block_ids, seq.seq_len, scale, workspace,
+            seq.window,
         )
     return out
 
@@ -181,7 +198,7 @@ def decode_attention(
     sequence and masked.
     """
     assert plan.decode_block_ids is not None and plan.decode_seq_lens is not None
-    kernel = load_decode_kernel() if q.device.type == "cpu" else None
+    kernel = load_decode_kernel() if q.device.type == "cpu" and not plan.decode_windowed else None
     if kernel is not None and kernel.supports(q, k_pages, v_pages):
         return kernel(
             q, k_pages, v_pages, plan.block_tables, plan.decode_table_rows, 0,
@@ -208,8 +225,12 @@ def prefill_attention(
     seq_len: int,
     scale: float,
     workspace: Workspace,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal among the new tokens, full over the cached ones. Returns [Lq, Hq, D].
+
+    With a window (a sliding layer whose keys outnumber it), one masked SDPA that also hides
+    keys more than window - 1 positions back.
 
     CPU: two mask-free flash calls merged by log-sum-exp, the cached keys without a mask and the
     new keys with is_causal (which skips the upper triangle): no [Lq, Lk] mask is built and K/V
@@ -220,8 +241,8 @@ def prefill_attention(
     # [1, Hkv, Lk, D]
     k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[None, :, :seq_len]
     v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[None, :, :seq_len]
-    if q.device.type != "cpu":
-        return _masked_prefill(q, k, v, num_cached, scale)
+    if q.device.type != "cpu" or window is not None:
+        return _masked_prefill(q, k, v, num_cached, scale, window)
     q4 = q.transpose(0, 1)[None]  # [1, Hq, Lq, D]
     o_new, lse_new = _flash_cpu(q4, k[:, :, num_cached:], v[:, :, num_cached:], True, scale)
     if num_cached == 0:
@@ -242,7 +263,12 @@ def _flash_cpu(
 
 
 def _masked_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_cached: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One SDPA with grouped-query heads folded into query rows and a bottom-right causal mask."""
     query_len, num_heads, head_dim = q.shape
@@ -252,7 +278,10 @@ def _masked_prefill(
     qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
     q_pos = torch.arange(num_cached, seq_len, device=q.device)
-    valid = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]
+    valid = key_pos <= q_pos[:, None]  # [Lq, Lk]
+    if window is not None:
+        valid &= key_pos > q_pos[:, None] - window
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.repeat(group, 1), scale=scale)
     o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)  # [Lq, Hkv, G, D]
     return o.reshape(query_len, num_heads, head_dim)

@@ -1,7 +1,8 @@
 """The plain, obviously correct paged attention every faster backend is tested against.
 
 Invariant: query i of a sequence (absolute position seq_len - query_len + i) attends exactly to
-the sequence's cached positions 0..its own position, read through its block table.
+the sequence's cached positions 0..its own position (for a sliding-window layer, only the last
+`sliding_window` of them), read through its block table.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def paged_attention_ref(
         v = gather_sequence_kv(v_cache, metadata.block_tables[s], seq_len).to(q.dtype)
         # Query i sits at absolute position (seq_len - query_len + i) and sees keys 0..that.
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = key_pos <= q_pos[:, None]  # [Lq, Lk]
+        if metadata.sliding_window is not None:  # and no further back than the window
+            mask &= key_pos > q_pos[:, None] - metadata.sliding_window
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, Lq, D]
             k.transpose(0, 1),  # [Hkv, Lk, D]

@@ -17,7 +17,7 @@ import torch
 from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
 from kvmemo.engine.scheduler import Scheduler
 from kvmemo.errors import InputError
-from kvmemo.kv.manager import KVCacheManager
+from kvmemo.kv.hybrid import AnyKVCacheManager
 from kvmemo.request import Request, RequestStatus
 
 
@@ -27,7 +27,7 @@ class BeamSearchDriver:
     def __init__(
         self,
         scheduler: Scheduler,
-        kv: KVCacheManager,
+        kv: AnyKVCacheManager,
         *,
         eos_token_ids: Collection[int],
         vocab_size: int,
@@ -63,8 +63,8 @@ class BeamSearchDriver:
         # kept finished beam (plus a copied partial block each).
         size = self.kv.block_size
         width = params.beam_width
-        blocks_needed = -(-root.num_prompt_tokens // size) + 2 * width * (
-            -(-search.max_new_tokens // size) + 1
+        blocks_needed = len(self.kv.layout.groups) * (  # every layer group holds its own
+            -(-root.num_prompt_tokens // size) + 2 * width * (-(-search.max_new_tokens // size) + 1)
         )
         if blocks_needed > self.kv.num_blocks:
             raise InputError(

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from kvmemo.kv.manager import KVCacheManager
+from kvmemo.kv.hybrid import AnyKVCacheManager
 from kvmemo.request import Request, RequestStatus
 
 # A wider beam is almost surely a mistake (HF users rarely go past 16), and each beam is a sequence
@@ -86,7 +86,7 @@ class BeamSearch:
         self,
         root: Request,
         params: BeamSearchParams,
-        kv: KVCacheManager,
+        kv: AnyKVCacheManager,
         *,
         eos_token_ids: Collection[int],
         max_new_tokens: int,

@@ -33,6 +33,7 @@ from kvmemo.errors import InputError
 from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.kv.hybrid import HybridKVCacheManager
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.loader import load_model
 from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -102,7 +103,8 @@ class Engine:
             config, loaded, compute_dtype, self.device, self.processor.encode_prompt
         )
         self.hasher = self.layout.new_hasher()
-        self.kv_manager = KVCacheManager(
+        manager_class = HybridKVCacheManager if self.layout.is_hybrid else KVCacheManager
+        self.kv_manager = manager_class(
             self.layout,
             enable_caching=config.enable_prefix_caching,
             enable_partial_reuse=config.enable_partial_reuse,
@@ -130,10 +132,11 @@ class Engine:
             loaded.model,
             kv_cache,
             Sampler(config.seed, self.device, self.eos_token_ids),
-            scale=arch.head_dim**-0.5,
+            scale=arch.attention_scale,
             device=self.device,
             kv_connector=self.kv_connector,
             encoder_cache=encoder_cache,
+            kv_groups=self.layout.groups,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []

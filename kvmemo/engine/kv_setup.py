@@ -26,7 +26,7 @@ from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.connector.tiered import TieredStore
 from kvmemo.errors import InputError
 from kvmemo.kv.hashing import namespace_root_hash
-from kvmemo.kv.layout import KVLayout, full_attention_groups
+from kvmemo.kv.layout import KVLayout, attention_type_groups, layer_slots
 from kvmemo.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,11 @@ def build_kv(
         arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
     )
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, compute_dtype)
-    bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype)
+    # Sliding-window layers (Gemma 3) get their own groups, whose blocks leave with the window.
+    groups = attention_type_groups([arch.layer_window(i) for i in range(num_layers)])
+    slots = layer_slots(groups)
+    layers_per_block = max(len(g.layer_indices) for g in groups)
+    bytes_per_token = kv_bytes_per_token(layers_per_block, num_kv_heads, head_dim, kv_dtype)
     num_blocks = config.num_blocks or config.kv_cache_memory_bytes // (
         bytes_per_token * config.block_size
     )
@@ -63,6 +67,7 @@ def build_kv(
         head_dim=head_dim,
         dtype=kv_dtype,
         device=device,
+        slot_of_layer=[slots[layer][1] for layer in range(num_layers)],
     )
     kv_namespace = str(kv_dtype)
     if kv_cache.is_fp8:  # per-(layer, kv head) transform from a fixed text: same weights, same one
@@ -86,13 +91,14 @@ def build_kv(
         bytes_per_token=bytes_per_token,
         namespace_root=root,
         hash_algorithm=config.prefix_cache_hash,
-        groups=full_attention_groups(num_layers),
+        groups=groups,
     )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %s, %.2f GiB",
-        num_blocks, config.block_size, num_blocks * config.block_size,
+        "KV cache: %d blocks x %d tokens x %d layers, %s, %.2f GiB%s",
+        num_blocks, config.block_size, layers_per_block,
         describe_kv_bytes(num_layers, num_kv_heads, head_dim, kv_dtype),
         layout.pool_bytes / 2**30,
+        f", {len(groups)} layer groups (sliding window)" if layout.is_hybrid else "",
     )
     return layout, kv_cache
 
@@ -103,6 +109,12 @@ def build_kv_connector(
     """The connector over config.kv_store's tiers (None when no store is configured)."""
     if config.kv_store is None:
         return None
+    if layout.is_hybrid:
+        raise InputError(
+            "kv_store",
+            "kv_store is not supported yet for models with sliding-window layers "
+            f"({len(layout.groups)} layer groups); allowed: kv_store=None for this model",
+        )
     from kvmemo.connector.spec import parse_kv_stores
     from kvmemo.connector.store_connector import namespace_for
 

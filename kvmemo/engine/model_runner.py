@@ -8,6 +8,7 @@ before attention reads them; logits are computed only for positions that sample.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvmemo.kv.layout import KVGroup
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector
@@ -57,6 +59,7 @@ class ModelRunner:
         attention_backend: AttentionBackend | None = None,
         kv_connector: KVConnector | None = None,
         encoder_cache: EncoderCache | None = None,
+        kv_groups: Sequence[KVGroup] = (),
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -67,6 +70,12 @@ class ModelRunner:
         if kv_connector is not None:
             kv_connector.register_kv_caches(kv_cache)
         self.encoder_cache = encoder_cache  # image features by content hash (multimodal models)
+        # The layout's layer groups: several for a hybrid (sliding-window) model, whose layers
+        # each read their group's block tables; empty or one group: every layer reads the same.
+        self.kv_groups = tuple(kv_groups)
+        self.group_of_layer = {
+            layer: g for g, group in enumerate(self.kv_groups) for layer in group.layer_indices
+        }
         # Debug hook for tests: keep the last step's sampling logits.
         self.capture_logits = False
         self.last_logits: torch.Tensor | None = None
@@ -98,7 +107,7 @@ class ModelRunner:
         hidden = self.model(
             ids,
             torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self._attention_fn(metadata),
+            self._attention_fn(self._layer_metadata(seqs, metadata)),
             **self._multimodal_embeds(seqs, ids, metadata),
         )  # [T, hidden]
         prompt_logprobs = (
@@ -219,12 +228,35 @@ class ModelRunner:
                 embeds[row0 + lo : row0 + hi] = rows
         return {"inputs_embeds": embeds}
 
-    def _attention_fn(self, metadata: AttentionMetadata):
+    def _layer_metadata(
+        self, seqs: list[ScheduledSequence], metadata: AttentionMetadata
+    ) -> list[AttentionMetadata]:
+        """The metadata each layer attends with: `metadata` for a single-group layout, else its
+        group's (that group's block tables; a sliding group's cropped to its window)."""
+        num_layers = len(self.kv_cache.k_pages)
+        if len(self.kv_groups) <= 1:
+            return [metadata] * num_layers
+        by_group = [
+            AttentionMetadata.build(
+                block_tables=[s.group_block_tables[g] for s in seqs],
+                num_computed_tokens=[s.num_computed_tokens for s in seqs],
+                query_lens=[len(s.token_ids) for s in seqs],
+                block_size=self.kv_cache.block_size,
+                num_cache_blocks=self.kv_cache.num_blocks,
+                device=self.device,
+                sliding_window=group.sliding_window,
+            )
+            for g, group in enumerate(self.kv_groups)
+        ]
+        return [by_group[self.group_of_layer[layer]] for layer in range(num_layers)]
+
+    def _attention_fn(self, layer_metadata: list[AttentionMetadata]):
         backend, kv_cache = self.attention_backend, self.kv_cache
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
-            return backend.forward(layer, q, k, v, kv_cache, metadata)  # writes K/V, then attends
+            # Writes K/V, then attends.
+            return backend.forward(layer, q, k, v, kv_cache, layer_metadata[layer])
 
         return attention

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvmemo.errors import InputError
 from kvmemo.kv.hashing import BlockHash
-from kvmemo.kv.manager import KVCacheManager
+from kvmemo.kv.hybrid import AnyKVCacheManager
 from kvmemo.request import Request, RequestStatus, overlapping_items
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Scheduler:
     def __init__(
         self,
         limits: SchedulerLimits,
-        kv_manager: KVCacheManager,
+        kv_manager: AnyKVCacheManager,
         connector: KVConnector | None = None,
     ):
         self.limits = limits
@@ -75,7 +75,7 @@ class Scheduler:
                 f"tokens, so the prompt must be at most {max_len - 1} tokens",
             )
         max_total = min(request.num_prompt_tokens + request.sampling_params.max_tokens, max_len)
-        blocks_needed = -(-max_total // self.kv.block_size)
+        blocks_needed = self.kv.blocks_needed(max_total, self.limits.max_num_batched_tokens)
         if blocks_needed > self.kv.num_blocks:
             raise InputError(
                 "max_tokens",
@@ -183,6 +183,9 @@ class Scheduler:
                 token_ids=r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
                 num_computed_tokens=r.num_computed_tokens,
                 block_table=self.kv.get_block_table(r.request_id),
+                group_block_tables=(
+                    self.kv.get_group_block_tables(r.request_id) if self.kv.layout.is_hybrid else []
+                ),
                 needs_sample=r.num_computed_tokens + n == r.num_tokens,
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,

@@ -7,7 +7,7 @@ tokens, and block_copies run (in order), then the connector's loads, before the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvmemo.sampling import SamplingParams
@@ -25,7 +25,7 @@ class ScheduledSequence:
     request_id: str
     token_ids: list[int]  # tokens whose KV this step computes (a prefill chunk, or 1 to decode)
     num_computed_tokens: int  # tokens already in the cache; position of token_ids[0]
-    block_table: list[int]  # the request's block ids, in order
+    block_table: list[int | None]  # the request's block ids, in order (its group 0's)
     needs_sample: bool  # the chunk reaches the sequence's end, so its last position samples
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far (the sampler's per-request step index)
@@ -43,6 +43,9 @@ class ScheduledSequence:
     # The prompt, for a request that wants prompt logprobs and whose chunk holds prompt
     # positions that predict a prompt token (all but the last); None otherwise.
     prompt_token_ids: Sequence[int] | None = None
+    # A hybrid layout's block table per layer group (layout.groups order); None entries are
+    # blocks a sliding window released. Empty for a single-group layout: block_table is all.
+    group_block_tables: list[list[int | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

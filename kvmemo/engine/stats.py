@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kvmemo.connector.store_connector import StoreKVConnector
     from kvmemo.engine.encoder_cache import EncoderCache
     from kvmemo.engine.scheduler import Scheduler
-    from kvmemo.kv.manager import KVCacheManager
+    from kvmemo.kv.hybrid import AnyKVCacheManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ class KVInfo:
 def collect_stats(
     num_steps: int,
     scheduler: Scheduler,
-    kv_manager: KVCacheManager,
+    kv_manager: AnyKVCacheManager,
     connector: StoreKVConnector | None,
     encoder_cache: EncoderCache | None,
 ) -> EngineStats:

@@ -1,8 +1,10 @@
 """BlockPool: every KV block's ref count, hash and free-queue position, plus the hash -> block map.
 
-Invariant: each block is free (ref_count 0, in the LRU queue) xor referenced; a hash maps to at
-most one block and only blocks carrying that hash are mapped ("stored once"); the parent index
-holds exactly the mapped blocks, each under its parent hash.
+Invariant: each block is free (ref_count 0, in the LRU queue) xor referenced; a (group, hash)
+maps to at most one block and only blocks carrying that hash in that group are mapped ("stored
+once"); the parent index holds exactly the mapped blocks, each under its (group, parent hash).
+Groups are the layout's attention-type groups sharing one pool (a hybrid model); a plain model
+has only group 0. Events speak for group 0 only: its blocks are what a prefix hit needs first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Block(FreeQueueNode):
     parent_hash: BlockHash | None = None  # committed: hash of the previous block (or the root)
     token_ids: tuple[int, ...] | None = None  # committed: the tokens, to verify hits
     extra_keys: ExtraKeys | None = None  # committed: the extra keys, to verify hits
+    group: int = 0  # committed: the layer group whose KV the block holds (the map key's part)
 
     def set_committed(
         self,
@@ -32,9 +35,11 @@ class Block(FreeQueueNode):
         parent_hash: BlockHash,
         token_ids: tuple[int, ...],
         extra_keys: ExtraKeys,
+        group: int = 0,
     ) -> None:
         """Assigns the hash and what it covers; a block is hashed at most once until evicted."""
         assert self.block_hash is None, f"block {self.block_id} already has a hash"
+        self.group = group
         self.block_hash = block_hash
         self.parent_hash = parent_hash
         self.token_ids = token_ids
@@ -42,6 +47,7 @@ class Block(FreeQueueNode):
 
     def reset_hash(self) -> None:
         self.block_hash = self.parent_hash = self.token_ids = self.extra_keys = None
+        self.group = 0
 
 
 class BlockPool:
@@ -59,10 +65,10 @@ class BlockPool:
         self.enable_events = enable_events
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self._free_queue: FreeBlockQueue[Block] = FreeBlockQueue(self.blocks)
-        self._cached: dict[BlockHash, Block] = {}
-        # parent hash -> {block_id: block} of the mapped blocks chained from it, in commit order:
-        # the candidates for partial reuse of a committed full block (manager.get_computed_blocks).
-        self._children: dict[BlockHash, dict[int, Block]] = {}
+        self._cached: dict[tuple[int, BlockHash], Block] = {}  # (group, hash) -> block
+        # (group, parent hash) -> {block_id: block} of the mapped blocks chained from it, in
+        # commit order: the candidates for partial reuse of a committed full block.
+        self._children: dict[tuple[int, BlockHash], dict[int, Block]] = {}
         self._events: list[KVEvent] = []
         self.num_evicted_blocks = 0  # cumulative
         self.num_stored_blocks = 0  # cumulative
@@ -97,22 +103,24 @@ class BlockPool:
             assert block.ref_count == 0, f"free block {block.block_id} is referenced"
             block.ref_count = 1
             if block.block_hash is not None:
-                removed.append(block.block_hash)
+                if block.group == 0:
+                    removed.append(block.block_hash)
                 self._evict(block)
         if removed and self.enable_events:
             self._events.append(BlockRemoved(block_hashes=tuple(removed)))
         return blocks
 
     def _evict(self, block: Block) -> None:
-        assert block.block_hash is not None and self._cached.get(block.block_hash) is block
-        assert block.parent_hash is not None
-        del self._cached[block.block_hash]
-        siblings = self._children[block.parent_hash]
+        assert block.block_hash is not None and block.parent_hash is not None
+        key, parent_key = (block.group, block.block_hash), (block.group, block.parent_hash)
+        assert self._cached.get(key) is block
+        del self._cached[key]
+        siblings = self._children[parent_key]
         del siblings[block.block_id]
         if not siblings:
-            del self._children[block.parent_hash]
+            del self._children[parent_key]
+        self.num_evicted_blocks += block.group == 0  # counters, like events, speak for group 0
         block.reset_hash()
-        self.num_evicted_blocks += 1
 
     def take_free_block(self, block: Block) -> None:
         """Takes the free `block` as a new block (ref_count 1) whose old KV the caller keeps using.
@@ -125,9 +133,9 @@ class BlockPool:
         self._free_queue.remove(block)
         block.ref_count = 1
         if block.block_hash is not None:
-            block_hash = block.block_hash
+            block_hash, group = block.block_hash, block.group
             self._evict(block)
-            if self.enable_events:
+            if self.enable_events and group == 0:
                 self._events.append(BlockRemoved(block_hashes=(block_hash,)))
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -149,23 +157,24 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free_queue.append(block)
 
-    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
-        """The block stored under `block_hash`, or None. Does not touch it."""
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
+        """The block of `group` stored under `block_hash`, or None. Does not touch it."""
         if not self.enable_caching:
             return None
-        return self._cached.get(block_hash)
+        return self._cached.get((group, block_hash))
 
     def cached_block_hashes(self) -> list[BlockHash]:
-        """Every hash in the map now (what a KV-event subscriber resyncs to), in commit order."""
-        return list(self._cached)
+        """Every group-0 hash in the map now (what a KV-event subscriber resyncs to), in commit
+        order."""
+        return [block_hash for group, block_hash in self._cached if group == 0]
 
-    def get_cached_children(self, parent_hash: BlockHash) -> Iterable[Block]:
+    def get_cached_children(self, parent_hash: BlockHash, group: int = 0) -> Iterable[Block]:
         """The mapped blocks whose parent hash is `parent_hash`, oldest commit first.
 
         O(1) to get, O(result) to iterate; does not touch them. Do not commit or evict while
         iterating.
         """
-        return self._children.get(parent_hash, {}).values()
+        return self._children.get((group, parent_hash), {}).values()
 
     def commit_block(
         self,
@@ -174,8 +183,9 @@ class BlockPool:
         parent_hash: BlockHash,
         token_ids: tuple[int, ...],
         extra_keys: ExtraKeys,
+        group: int = 0,
     ) -> bool:
-        """Publishes a full block whose KV has been computed, under `block_hash`.
+        """Publishes a full block of `group` whose KV has been computed, under `block_hash`.
 
         Returns:
             True if the block entered the map (BlockStored event, num_stored_blocks counted).
@@ -183,13 +193,13 @@ class BlockPool:
             block stays private and unhashed and is simply freed later.
         """
         assert block.ref_count > 0, f"committing block {block.block_id} that nobody holds"
-        if not self.enable_caching or block_hash in self._cached:
+        if not self.enable_caching or (group, block_hash) in self._cached:
             return False
-        block.set_committed(block_hash, parent_hash, token_ids, extra_keys)
-        self._cached[block_hash] = block
-        self._children.setdefault(parent_hash, {})[block.block_id] = block
-        self.num_stored_blocks += 1
-        if self.enable_events:
+        block.set_committed(block_hash, parent_hash, token_ids, extra_keys, group)
+        self._cached[(group, block_hash)] = block
+        self._children.setdefault((group, parent_hash), {})[block.block_id] = block
+        self.num_stored_blocks += group == 0
+        if self.enable_events and group == 0:
             self._events.append(
                 BlockStored(
                     block_hashes=(block_hash,),
@@ -234,25 +244,30 @@ class BlockPool:
             )
             num_free += block.is_free
             if block.block_hash is not None:
-                assert self._cached.get(block.block_hash) is block, (
+                assert self._cached.get((block.group, block.block_hash)) is block, (
                     f"hashed block {block.block_id} is not the map's block for its hash"
                 )
                 assert block.token_ids is not None and block.parent_hash is not None
             else:
-                assert block.token_ids is None and block.parent_hash is None
+                assert block.token_ids is None and block.parent_hash is None and block.group == 0
         assert num_free == self.num_free_blocks, "free count disagrees with the free queue"
-        for block_hash, block in self._cached.items():
-            assert block.block_hash == block_hash, f"map entry points at block {block.block_id}"
+        for (group, block_hash), block in self._cached.items():
+            assert (block.group, block.block_hash) == (group, block_hash), (
+                f"map entry points at block {block.block_id}"
+            )
         num_hashed = sum(block.block_hash is not None for block in self.blocks)
         assert num_hashed == len(self._cached), "hashed blocks and map entries differ in number"
         num_children = 0
-        for parent_hash, children in self._children.items():
+        for (group, parent_hash), children in self._children.items():
             assert children, "empty parent index entry"
             for block_id, block in children.items():
                 assert block.block_id == block_id and block.parent_hash == parent_hash, (
                     f"parent index entry points at block {block.block_id}, not chained from it"
                 )
-                assert block.block_hash is not None and self._cached[block.block_hash] is block, (
+                assert block.group == group and block.block_hash is not None, (
+                    f"parent index holds block {block.block_id} under another group"
+                )
+                assert self._cached[(group, block.block_hash)] is block, (
                     f"parent index holds block {block.block_id}, which is not in the map"
                 )
             num_children += len(children)

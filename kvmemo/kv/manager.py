@@ -3,6 +3,10 @@
 Invariant: a block becomes hittable only in commit(), which the engine calls AFTER the step that
 computed its KV (never for scheduled-but-uncomputed tokens, e.g. later chunks of a prefill), and
 every block's ref_count equals the number of block tables holding it.
+
+One manager serves one layer group of the layout (group 0 by default: every layer of a plain
+model). In a sliding-window group a block table holds None where blocks slid out of the window
+were released; hybrid.py composes one manager per group over a shared pool.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ if TYPE_CHECKING:
 @dataclass(slots=True, eq=False)
 class _RequestBlocks:
     request: Request
-    blocks: list[Block]  # the block_table, append-only while the request runs
+    # The block_table, append-only while the request runs; None where a sliding-window group
+    # released a block its window no longer sees.
+    blocks: list[Block | None]
     num_committed_blocks: int  # leading blocks committed (or hit, or stored-once duplicates)
 
 
@@ -46,17 +52,25 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_partial_reuse: bool = True,
         enable_events: bool = False,
+        group: int = 0,
+        block_pool: BlockPool | None = None,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks = layout.num_blocks
         self.enable_caching = enable_caching
         self.enable_partial_reuse = enable_caching and enable_partial_reuse
-        self.block_pool = BlockPool(num_blocks, enable_caching, enable_events)
+        self.group = group
+        # Tokens a query sees back from itself in this group's layers; None: the whole context.
+        self.window = layout.groups[group].sliding_window
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, enable_events)
         # Parent hashes and extra keys of blocks; requests extend their own block hashes.
         self._hasher = layout.new_hasher()
         self._requests: dict[str, _RequestBlocks] = {}
         self._partial = PartialIndex()
+        # Every partial index over this pool (the hybrid manager lists all groups'): a block
+        # taken anew by one group must leave the others' indexes too, as its slots are rewritten.
+        self.pool_partial_indexes: list[PartialIndex] = [self._partial]
         self._copies: list[BlockCopy] = []
         self._counters = PrefixCacheStats()  # query/hit counters; pool counts evict/store
         self._taken = PrefixCacheStats()
@@ -83,6 +97,21 @@ class KVCacheManager:
         current = self.stats
         delta, self._taken = current.minus(self._taken), current
         return delta
+
+    def blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """Blocks one request of num_tokens holds at most in this group: all of them, or in a
+        sliding group the window plus the largest chunk a step computes."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if self.window is None:
+            return num_blocks
+        return min(num_blocks, -(-(self.window - 1 + max_chunk_tokens) // self.block_size) + 1)
+
+    def get_group_block_tables(self, request_id: str) -> list[list[int | None]]:
+        """[the block table]: the single-group form of HybridKVCacheManager's."""
+        return [self.get_block_table(request_id)]
+
+    def clear_partial_index(self) -> None:
+        self._partial.clear()
 
     # ---- prefix match ----------------------------------------------------------------------
 
@@ -115,7 +144,7 @@ class KVCacheManager:
         parent = self._hasher.root
         for index in range(min(len(request.block_hashes), max_hit_tokens // size)):
             block_hash = request.block_hashes[index]
-            block = self.block_pool.get_cached_block(block_hash)
+            block = self.block_pool.get_cached_block(block_hash, self.group)
             if block is None or not self._holds(block, parent, request, index):
                 break
             hits.append(block)
@@ -152,7 +181,7 @@ class KVCacheManager:
         if found is not None:
             best = PartialMatch(block=found[0], num_tokens=found[1])
         full_block_keys = None  # computed once, for the first candidate that needs them
-        for block in self.block_pool.get_cached_children(parent):
+        for block in self.block_pool.get_cached_children(parent, self.group):
             assert block.token_ids is not None and block.parent_hash == parent
             k = common_prefix_len(block.token_ids, window)
             if k == 0 or (
@@ -165,6 +194,62 @@ class KVCacheManager:
             if block.extra_keys == full_block_keys:
                 best = PartialMatch(block=block, num_tokens=k, source_hash=block.block_hash)
         return best
+
+    def match_exactly(self, request: Request, num_tokens: int) -> PrefixMatch | None:
+        """The match serving exactly the first `num_tokens` tokens in this group, or None.
+
+        A full-attention group needs every block below num_tokens; a sliding-window group only
+        those its window sees from the first new token on (earlier entries are None). A partial
+        last block needs a partial source with at least that many tokens. Does not modify the
+        pool. Used by the hybrid manager to agree on one hit length across groups.
+        """
+        size = self.block_size
+        num_full, num_partial = divmod(num_tokens, size)
+        if num_tokens == 0:
+            return NO_MATCH
+        if not self.enable_caching or len(request.block_hashes) < num_full:
+            return None
+        first = self.first_needed_block(num_tokens)
+        blocks: list[Block | None] = [None] * first
+        for index in range(first, num_full):
+            block = self.block_pool.get_cached_block(request.block_hashes[index], self.group)
+            parent = self._parent(request, index)
+            if block is None or not self._holds(block, parent, request, index):
+                return None
+            blocks.append(block)
+        partial = None
+        if num_partial:
+            if not self.enable_partial_reuse:
+                return None
+            parent = self._parent(request, num_full)
+            found = self._find_partial(request, parent, num_full, num_partial)
+            if found is None or found.num_tokens < num_partial:
+                return None
+            partial = replace(found, num_tokens=num_partial)
+        return PrefixMatch(blocks=tuple(blocks), num_tokens=num_tokens, partial=partial)
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """Index of the first block a query at position >= num_computed still sees (0 for a
+        full-attention group): blocks before it can be released."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def release_outside_window(self, request: Request) -> None:
+        """Frees this request's blocks that no future query of it can see (sliding-window group
+        only; blocks before request.num_computed_tokens - window + 1). They stay cached, as any
+        freed block does, for prefix hits of other requests whose window needs them."""
+        state = self._requests.get(request.request_id)
+        if state is None or self.window is None:
+            return
+        first = min(self.first_needed_block(request.num_computed_tokens), len(state.blocks))
+        released = [block for block in state.blocks[:first] if block is not None]
+        if released:
+            state.blocks[:first] = [None] * first
+            self.block_pool.free_blocks(reversed(released))
+
+    def _parent(self, request: Request, index: int) -> BlockHash:
+        return request.block_hashes[index - 1] if index > 0 else self._hasher.root
 
     def _holds(self, block: Block, parent: BlockHash, request: Request, index: int) -> bool:
         """True if `block` stores exactly full block `index` of `request` (not a hash collision)."""
@@ -217,10 +302,12 @@ class KVCacheManager:
         state = self._requests.get(request.request_id)
         if prefix is not None and state is not None:
             raise ValueError(f"prefix given for {request.request_id!r}, which already has blocks")
-        hits = prefix.blocks if prefix is not None else ()
+        self.release_outside_window(request)  # first: what slid out makes room
+        hit_entries = prefix.blocks if prefix is not None else ()
+        hits = [block for block in hit_entries if block is not None]
         partial = prefix.partial if prefix is not None else None
         num_computed = prefix.num_tokens if prefix is not None else request.num_computed_tokens
-        num_held = len(state.blocks) if state is not None else len(hits)
+        num_held = len(state.blocks) if state is not None else len(hit_entries)
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - num_held)
         # Free hits leave the free queue, so they use capacity; an adopted source block is one of
@@ -256,17 +343,31 @@ class KVCacheManager:
             self.block_pool.free_blocks([kept])  # back at the tail: just used, still cached
         new_blocks.extend(fresh)
         for block in new_blocks:
-            self._partial.discard(block)  # its slots are about to be rewritten
+            self._forget_partial(block)  # its slots are about to be rewritten
         if partial is not None:
             copy = BlockCopy(partial.block.block_id, fresh[0].block_id, partial.num_tokens)
             self._copies.append(copy)
 
         if state is None:
-            state = _RequestBlocks(request, list(hits), num_committed_blocks=len(hits))
+            state = _RequestBlocks(request, list(hit_entries), len(hit_entries))
             self._requests[request.request_id] = state
             self._record_query(request, prefix)
         state.blocks.extend(new_blocks)
         return block_ids(new_blocks)
+
+    def num_new_blocks(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> int:
+        """Blocks allocate_slots would take from the free queue (free hits not counted)."""
+        state = self._requests.get(request.request_id)
+        num_computed = prefix.num_tokens if prefix is not None else request.num_computed_tokens
+        if state is not None:
+            num_held = len(state.blocks)
+        else:
+            num_held = len(prefix.blocks) if prefix is not None else 0
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        shared_tail = self._shared_tail(state, num_computed) if num_new_tokens > 0 else None
+        return max(0, num_required - num_held) + (shared_tail is not None)
 
     def _shared_tail(self, state: _RequestBlocks | None, num_computed: int) -> int | None:
         """Index of the partially filled block the next token writes into, if a fork shares it."""
@@ -274,7 +375,8 @@ class KVCacheManager:
         if state is None or offset == 0:
             return None
         index = num_computed // self.block_size
-        return index if state.blocks[index].ref_count > 1 else None
+        block = state.blocks[index]
+        return index if block is not None and block.ref_count > 1 else None
 
     def _copy_on_write(self, state: _RequestBlocks, index: int, num_tokens: int) -> None:
         """Replaces the shared partial block `index` by a fresh private copy of its first slots.
@@ -283,16 +385,22 @@ class KVCacheManager:
         step's forward, so it reads the source before any holder writes past num_tokens.
         """
         source = state.blocks[index]
+        assert source is not None  # the block being written into is inside any window
         (copy,) = self.block_pool.get_new_blocks(1)
-        self._partial.discard(copy)
+        self._forget_partial(copy)
         self._copies.append(BlockCopy(source.block_id, copy.block_id, num_tokens))
         state.blocks[index] = copy
         self.block_pool.free_blocks([source])
 
+    def _forget_partial(self, block: Block) -> None:
+        for index in self.pool_partial_indexes:
+            index.discard(block)
+
     def _check_fresh(self, request: Request, prefix: PrefixMatch) -> None:
         """Asserts `prefix` is still valid: no allocation evicted its blocks since the match."""
         for index, block in enumerate(prefix.blocks):
-            assert block.block_hash == request.block_hashes[index], "stale PrefixMatch"
+            if block is not None:
+                assert block.block_hash == request.block_hashes[index], "stale PrefixMatch"
         if prefix.partial is not None and prefix.partial.source_hash is not None:
             assert prefix.partial.block.block_hash == prefix.partial.source_hash, (
                 "stale PrefixMatch: its full source block was evicted"
@@ -335,6 +443,8 @@ class KVCacheManager:
         )
         for index in range(state.num_committed_blocks, num_full):
             block = state.blocks[index]
+            if block is None:  # released by the window before a beam's deferred commit
+                continue
             start = index * size
             self._partial.discard(block)
             self.block_pool.commit_block(
@@ -343,12 +453,15 @@ class KVCacheManager:
                 self._hasher.parent_hash(request, index),
                 tuple(tokens[start : start + size]),
                 self._hasher.extra_keys(request, index),
+                self.group,
             )
         num_tail = num_computed_tokens - num_full * size
         if self.enable_partial_reuse and num_tail > 0 and num_full >= state.num_committed_blocks:
             start = num_full * size
             block = state.blocks[num_full]
-            assert block.block_hash is None, "a partially computed block cannot be hashed"
+            assert block is not None and block.block_hash is None, (
+                "a partially computed block cannot be hashed"
+            )
             self._partial.put(
                 PartialEntry(
                     block=block,
@@ -367,7 +480,7 @@ class KVCacheManager:
         """
         state = self._requests.pop(request.request_id, None)
         if state is not None:
-            self.block_pool.free_blocks(reversed(state.blocks))
+            self.block_pool.free_blocks(b for b in reversed(state.blocks) if b is not None)
 
     # ---- beams: fork copy-on-write, publish only the winners -------------------------------
 
@@ -395,9 +508,11 @@ class KVCacheManager:
         if child.request_id in self._requests:
             raise ValueError(f"fork child {child.request_id!r} already holds blocks")
         blocks = state.blocks[:num_blocks]
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(b for b in blocks if b is not None)
         if num_tokens % self.block_size:
-            self._partial.discard(blocks[-1])
+            tail = blocks[-1]
+            assert tail is not None  # the block being written into is inside any window
+            self._partial.discard(tail)
         num_committed = min(state.num_committed_blocks, num_tokens // self.block_size)
         self._requests[child.request_id] = _RequestBlocks(child, list(blocks), num_committed)
 
@@ -417,10 +532,13 @@ class KVCacheManager:
         for request in [*pruned, *reversed(final)]:
             self.free(request)
 
-    def get_block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in order ([] for a request that holds no blocks)."""
+    def get_block_table(self, request_id: str) -> list[int | None]:
+        """The request's block ids in order ([] for a request that holds no blocks); None where
+        a sliding-window group released a block."""
         state = self._requests.get(request_id)
-        return block_ids(state.blocks) if state is not None else []
+        if state is None:
+            return []
+        return [b.block_id if b is not None else None for b in state.blocks]
 
     def take_copies(self) -> list[BlockCopy]:
         """Drains the block copies recorded since the last call; run them in order before the
@@ -446,18 +564,35 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Asserts pool invariants, ref_count == holders, and the partial index contents."""
         self.block_pool.check_invariants()
-        size = self.block_size
+        self.check_tables(self.holder_counts())
+
+    def holder_counts(self) -> dict[int, int]:
+        """block_id -> block tables of this manager holding it."""
         holders: dict[int, int] = {}
+        for state in self._requests.values():
+            for block in state.blocks:
+                if block is not None:
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        return holders
+
+    def check_tables(self, holders: dict[int, int]) -> None:
+        """Asserts this group's tables and partial index, and ref_count == `holders` (the counts
+        over every manager sharing the pool)."""
+        size = self.block_size
         position: dict[int, tuple[_RequestBlocks, int]] = {}
         for state in self._requests.values():
             request = state.request
             assert state.num_committed_blocks <= len(state.blocks)
+            first = self.first_needed_block(request.num_computed_tokens)
             for index, block in enumerate(state.blocks):
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                if block is None:
+                    assert index < first, f"block {index} of {request.request_id!r} released early"
+                    continue
                 position[block.block_id] = (state, index)
                 if block.block_hash is not None:
                     assert index < state.num_committed_blocks, "uncommitted block carries a hash"
                     assert block.block_hash == request.block_hashes[index], "foreign block hash"
+                    assert block.group == self.group, f"block {block.block_id} of another group"
         for block in self.block_pool.blocks:
             assert block.ref_count == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count}, "

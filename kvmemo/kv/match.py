@@ -35,9 +35,13 @@ class PartialMatch:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    blocks: tuple[Block, ...]  # verified full-block hits, in order
+    # Verified full-block hits, in order; None where a sliding-window group needs no block.
+    blocks: tuple[Block | None, ...]
     num_tokens: int  # tokens served from cache: len(blocks) * block_size + partial tokens
     partial: PartialMatch | None = None
+    # A hybrid layout's match: one per layer group, all of num_tokens (group 0's is this one's
+    # blocks and partial); empty for a single-group layout.
+    group_matches: tuple[PrefixMatch, ...] = ()
 
 
 NO_MATCH = PrefixMatch(blocks=(), num_tokens=0, partial=None)

@@ -18,6 +18,7 @@ from gguf.quants import dequantize, quant_shape_from_byte_shape
 
 from kvmemo.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from kvmemo.model.gguf_header import GGUFFile, TensorInfo
+from kvmemo.model.registry import LLAMA_GGUF_LAYER_NAMES, architecture_spec
 
 # F32/F16 are plain views; every other type is whatever gguf.quants implements (Q4_0..Q8_0,
 # K-quants, IQ*, BF16, ...). Read from the package so an upgrade widens support automatically.
@@ -29,18 +30,6 @@ SUPPORTED_QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_GGUF_TRAITS}
 )
 
-# Per-layer llama.cpp name -> HF name (weights and biases alike).
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -72,19 +61,22 @@ def supported_quant_type_names() -> list[str]:
     return sorted(t.name for t in SUPPORTED_QUANT_TYPES)
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown -> ValueError."""
+def gguf_to_hf_name(name: str, layer_names: dict[str, str] = LLAMA_GGUF_LAYER_NAMES) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown -> ValueError.
+
+    layer_names is the architecture's per-layer map (registry.ArchitectureSpec.gguf_layer_names).
+    """
     if m := _LAYER_RE.match(name):
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if part in layer_names:
+            return f"model.layers.{layer}.{layer_names[part]}.{kind}"
     else:
         stem, _, kind = name.rpartition(".")
         if stem in _GLOBAL_NAMES and kind in ("weight", "bias"):
             return f"{_GLOBAL_NAMES[stem]}.{kind}"
     raise ValueError(
         f"unknown GGUF tensor {name!r}; expected token_embd, output_norm, output, rope_freqs or "
-        f"blk.N.{{{','.join(_LAYER_NAMES)}}}.weight/bias"
+        f"blk.N.{{{','.join(layer_names)}}}.weight/bias"
     )
 
 
@@ -192,9 +184,11 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
             f"unsupported GGUF general.architecture {gguf_arch!r} in {path}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    spec = architecture_spec(gguf_arch)
     infos = {t.name: t for t in gguf_file.header.tensors}
     rope_freqs = infos.pop(_ROPE_FREQS, None)
-    hf_names = {name: gguf_to_hf_name(name) for name in infos}  # unknown names raise here
+    # Unknown names raise here.
+    hf_names = {name: gguf_to_hf_name(name, spec.gguf_layer_names) for name in infos}
     rope_freq_factors = None
     if rope_freqs is not None:
         raw = gguf_file.raw(rope_freqs)
@@ -211,7 +205,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     )
     # qwen2 etc. are stored unpermuted by convert_hf_to_gguf; llama's q/k rows are permuted.
     heads = {}
-    if gguf_arch == "llama":
+    if spec.gguf_permutes_qk:
         heads = {
             "attn_q": arch_config.num_attention_heads,
             "attn_k": arch_config.num_key_value_heads,
@@ -223,6 +217,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         part = m.group(2) if (m := _LAYER_RE.match(name)) else None
         unpermute = heads.get(part) if part else None
         dequantize_into(name, out, gguf_file.raw(info), info.qtype, unpermute_heads=unpermute)
+        if spec.gguf_norm_offset and name.endswith("norm.weight"):
+            out += spec.gguf_norm_offset  # as transformers' loader: the file holds 1 + w
         state_dict[hf_names[name]] = out
 
     return GGUFCheckpoint(

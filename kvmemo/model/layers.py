@@ -109,11 +109,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up live in one [2*I, hidden] weight (one load)."""
+class GemmaRMSNorm(nn.Module):
+    """Gemma's norm: (x / rms(x)) * (1 + weight), all in fp32, then cast back (HF's arithmetic,
+    op for op, so fp32 outputs are bit-equal)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate and up live in one [2*I, hidden] weight (one load).
+    act is SiLU (Llama) or tanh-approximated GELU (Gemma)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
+        super().__init__()
+        self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -135,4 +152,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate(x)  # [T, I]
         up = self.up(x)
-        return self.down(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]
+        if self.activation == "silu":
+            return self.down(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]
+        return self.down(F.gelu(gate, approximate="tanh").mul_(up))

@@ -24,21 +24,21 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 class DecoderLayer(nn.Module):
     """One pre-norm block: h += o_proj(attn(rope(qkv(norm(h))))); h += mlp(norm(h))."""
 
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         o_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
 
     def prepare_linears(self, choice: KernelChoice) -> None:
         self.qkv = Linear(self.qkv_proj.weight, self.qkv_proj.bias, choice)
@@ -87,13 +87,26 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            self.make_layer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = self.make_norm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
         self._plain_released = False
+
+    def make_layer(self, config: ModelArchConfig, index: int) -> nn.Module:
+        """Decoder layer `index`; an architecture with another block shape overrides this."""
+        return DecoderLayer(config)
+
+    def make_norm(self, hidden_size: int, eps: float) -> nn.Module:
+        return RMSNorm(hidden_size, eps)
+
+    def layer_weight_names(self, ours: str, hf: str) -> list[tuple[str, list[str]]]:
+        """(our name, [HF name]) of a layer's parameters beyond the Llama set (norms, say)."""
+        return []
 
     def prepare_linears(self, choice: KernelChoice | None = None) -> KernelChoice:
         """Binds every projection to its kernels: `choice`, else the fastest on this machine
@@ -203,11 +216,22 @@ class LlamaForCausalLM(nn.Module):
             )
         self._require_linears()
         # [T, hidden]
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # each [T, 1, D/2]
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rope_tables(positions, hidden.dtype)
         for layer_idx, layer in enumerate(self.layers):
+            cos, sin = rope[layer_idx]
             hidden = layer(layer_idx, hidden, cos, sin, attention)
         return self.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] (Gemma scales them)."""
+        return self.embed_tokens(input_ids)
+
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (cos, sin), each [T, 1, D/2]; one table shared by all layers here."""
+        return [self.rotary.cos_sin(positions, dtype)] * len(self.layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -290,6 +314,7 @@ class LlamaForCausalLM(nn.Module):
                 (f"{ours}input_layernorm.weight", [f"{p}input_layernorm.weight"]),
                 (f"{ours}post_attention_layernorm.weight", [f"{p}post_attention_layernorm.weight"]),
             ]
+            plan += self.layer_weight_names(ours, p)
         return plan
 
 

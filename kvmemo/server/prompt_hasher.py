@@ -8,7 +8,6 @@ Only the tokenizer is loaded, never the weights.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from kvmemo.intake.processor import InputProcessor
@@ -17,9 +16,9 @@ from kvmemo.kv.hashing import BlockHash, RequestHasher
 
 def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
     """(tokenizer, chat template, weights fingerprint) of a .gguf file or HF directory."""
-    from kvmemo.model.loader import bundled_model_path, checkpoint_fingerprint
+    from kvmemo.model.loader import checkpoint_fingerprint, resolve_model_path
 
-    path = Path(model if model is not None else bundled_model_path()).expanduser().resolve()
+    path = resolve_model_path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path not found: {path}")
     if path.is_file():
@@ -27,7 +26,13 @@ def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
         from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
 
         fingerprint = checkpoint_fingerprint(path)
-        template = GGUFFile(path, max_array_len=0).header.metadata.get("tokenizer.chat_template")
+        from kvmemo.model.registry import ARCHITECTURES, default_chat_template
+
+        metadata = GGUFFile(path, max_array_len=0).header.metadata
+        template = metadata.get("tokenizer.chat_template")
+        architecture = metadata.get("general.architecture")
+        if template is None and architecture in ARCHITECTURES:  # the engine's fallback too
+            template = default_chat_template(architecture)
         return load_gguf_tokenizer(path, fingerprint), template, fingerprint
     from transformers import AutoTokenizer
 

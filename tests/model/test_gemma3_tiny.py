@@ -134,3 +134,20 @@ def test_sliding_groups_hold_only_the_window(tiny) -> None:
     total = len(prompt) + 12
     full_only = len(LAYER_TYPES) * -(-total // 8)  # what a full-attention layout would hold
     assert peak < full_only / 3
+
+
+def test_beam_search_equals_transformers_and_is_cache_independent(tiny, prompts) -> None:
+    """Beams fork and release blocks in every group; the result equals HF's beam search and
+    does not change when the prefix is already cached (the same prompt twice)."""
+    directory, hf = tiny
+    ids = prompts[2]  # 41 tokens: the window (16) slides during the search
+    with torch.no_grad():
+        want = hf.generate(
+            torch.tensor([ids]), num_beams=3, do_sample=False, max_new_tokens=10,
+            min_new_tokens=10, early_stopping=False,
+        )[0, len(ids) :].tolist()
+    llm = LLM(str(directory), block_size=8, num_blocks=256)
+    for _ in range(2):
+        (out,) = llm.beam_search([ids], beam_width=3, max_tokens=10, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == want
+    llm.engine.kv_manager.check_invariants()

@@ -76,6 +76,9 @@ class PagedKVCache:
     k_offsets: torch.Tensor | None = None  # fp8 only: [num_layers, num_kv_heads, head_dim] fp32
     v_offsets: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # fp8 only: [head_dim, head_dim] fp32, orthogonal
+    # Per layer, its layer group (hybrid layouts: a block id names one group's page of the
+    # layers sharing a slot); all 0 for a single group.
+    layer_groups: list[int] = field(default_factory=list)
     _unrotated: bool = field(default=True, init=False, repr=False)  # rotation is the identity
 
     @classmethod
@@ -90,6 +93,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         slot_of_layer: list[int] | None = None,
+        group_of_layer: list[int] | None = None,
     ) -> PagedKVCache:
         """Zeroed pages for every layer. slot_of_layer (a hybrid layout's layer -> slot) makes
         layers of different groups share the page tensor of their slot: a block id then names
@@ -101,7 +105,8 @@ class PagedKVCache:
         v_slots = [_zeros(shape, dtype, device) for _ in range(num_slots)]
         k = [k_slots[slot] for slot in slots]
         v = [v_slots[slot] for slot in slots]
-        cache = cls(k_pages=k, v_pages=v, block_size=block_size)
+        groups = group_of_layer if group_of_layer is not None else [0] * num_layers
+        cache = cls(k_pages=k, v_pages=v, block_size=block_size, layer_groups=list(groups))
         if dtype == FP8_DTYPE:  # the identity transform until calibrated (see fp8.py)
             f32 = torch.float32
             cache.k_scales = torch.ones(num_layers, num_kv_heads, dtype=f32, device=device)

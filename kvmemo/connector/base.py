@@ -20,7 +20,12 @@ Scheduler side (called by the Scheduler, engine thread):
     build_connector_meta() -> ConnectorMetadata
         The step's loads (block_hash, block_id, payload); clears the scheduler-side state.
     blocks_to_save(events, lookup) -> list[(block_hash, block_id)]
-        Committed blocks (from BlockStored events) the store does not have yet.
+        Committed blocks (from BlockStored events) the store does not have yet; lookup gives a
+        hash's block id(s) on the device, or None.
+
+A block id is a BlockIds: an int, or for a hybrid layout (layer groups with their own blocks,
+kv/hybrid.py) one id per group, each layer's K/V living in its group's block. A payload always
+holds every layer, so stores do not depend on how the device groups layers.
 
 Worker side (called by the ModelRunner / engine, engine thread):
     register_kv_caches(kv_cache)         the paged K/V tensors loads and saves address.
@@ -42,9 +47,11 @@ from kvmemo.kv.hashing import BlockHash
 
 if TYPE_CHECKING:
     from kvmemo.attention.cache import PagedKVCache
-    from kvmemo.kv.block_pool import Block
     from kvmemo.kv.events import KVEvent
     from kvmemo.request import Request
+
+
+BlockIds = int | tuple[int, ...]  # a block's id, or one per layer group (hybrid layouts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +59,7 @@ class BlockLoad:
     """One block to copy into the device pool before this step's forward."""
 
     block_hash: BlockHash
-    block_id: int
+    block_id: BlockIds
     payload: bytes  # raw [num_layers, 2, block_size, num_kv_heads, head_dim] bytes, validated
 
 
@@ -90,7 +97,7 @@ class KVConnector(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+        self, request: Request, block_ids: Sequence[BlockIds], num_external_tokens: int
     ) -> None: ...
 
     @abstractmethod
@@ -98,8 +105,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def blocks_to_save(
-        self, events: Sequence[KVEvent], lookup: Callable[[BlockHash], Block | None]
-    ) -> list[tuple[BlockHash, int]]: ...
+        self, events: Sequence[KVEvent], lookup: Callable[[BlockHash], BlockIds | None]
+    ) -> list[tuple[BlockHash, BlockIds]]: ...
 
     # ---- worker side -----------------------------------------------------------------------
 
@@ -110,7 +117,7 @@ class KVConnector(ABC):
     def start_load_kv(self, metadata: ConnectorMetadata) -> None: ...
 
     @abstractmethod
-    def save_blocks(self, blocks: Sequence[tuple[BlockHash, int]]) -> None: ...
+    def save_blocks(self, blocks: Sequence[tuple[BlockHash, BlockIds]]) -> None: ...
 
     @abstractmethod
     def wait_for_save(self) -> None: ...

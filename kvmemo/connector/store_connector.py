@@ -16,14 +16,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvmemo.connector.base import BlockLoad, ConnectorMetadata, ConnectorStats, KVConnector
+from kvmemo.connector.base import (
+    BlockIds,
+    BlockLoad,
+    ConnectorMetadata,
+    ConnectorStats,
+    KVConnector,
+)
 from kvmemo.connector.store import BlockStore, StoreNamespace, get_many
 from kvmemo.kv.events import BlockStored
 from kvmemo.kv.hashing import BlockHash
 
 if TYPE_CHECKING:
     from kvmemo.attention.cache import PagedKVCache
-    from kvmemo.kv.block_pool import Block
     from kvmemo.kv.events import KVEvent
     from kvmemo.request import Request
 
@@ -104,7 +109,7 @@ class StoreKVConnector(KVConnector):
         return len(loads) * size
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+        self, request: Request, block_ids: Sequence[BlockIds], num_external_tokens: int
     ) -> None:
         """Confirms the match: its payloads go into the first new blocks in this step."""
         match = self._matches.pop(request.request_id, None)
@@ -131,17 +136,17 @@ class StoreKVConnector(KVConnector):
         return metadata
 
     def blocks_to_save(
-        self, events: Sequence[KVEvent], lookup: Callable[[BlockHash], Block | None]
-    ) -> list[tuple[BlockHash, int]]:
+        self, events: Sequence[KVEvent], lookup: Callable[[BlockHash], BlockIds | None]
+    ) -> list[tuple[BlockHash, BlockIds]]:
         """Blocks that entered the device map (BlockStored) and are not in the store yet."""
-        out: list[tuple[BlockHash, int]] = []
+        out: list[tuple[BlockHash, BlockIds]] = []
         for event in events:
             if not isinstance(event, BlockStored):
                 continue
             for block_hash in event.block_hashes:
-                block = lookup(block_hash)
-                if block is not None and not self.store.contains(block_hash):
-                    out.append((block_hash, block.block_id))
+                block_ids = lookup(block_hash)
+                if block_ids is not None and not self.store.contains(block_hash):
+                    out.append((block_hash, block_ids))
         return out
 
     # ---- worker side -----------------------------------------------------------------------
@@ -162,28 +167,29 @@ class StoreKVConnector(KVConnector):
             len(metadata.loads), *self._byte_shape()
         )
         data = host.to(device)  # [n, L, 2, bs, Hkv, D * itemsize]
-        ids = torch.tensor([load.block_id for load in metadata.loads], device=device)
+        ids_by_layer = self._ids_by_layer([load.block_id for load in metadata.loads], device)
         for layer, (k, v) in enumerate(zip(cache.k_caches, cache.v_caches)):
+            ids = ids_by_layer[layer]
             k.view(torch.uint8).index_copy_(0, ids, data[:, layer, 0])
             v.view(torch.uint8).index_copy_(0, ids, data[:, layer, 1])
         self._load_s += time.perf_counter() - start
 
-    def save_blocks(self, blocks: Sequence[tuple[BlockHash, int]]) -> None:
+    def save_blocks(self, blocks: Sequence[tuple[BlockHash, BlockIds]]) -> None:
         """Copies the blocks' KV to host bytes now and queues them with the store."""
         if not blocks:
             return
         cache = self._cache()
         start = time.perf_counter()
-        ids = torch.tensor([block_id for _, block_id in blocks], device=cache.k_caches[0].device)
+        ids_by_layer = self._ids_by_layer([ids for _, ids in blocks], cache.k_caches[0].device)
         per_layer = [
             torch.stack(
                 (
-                    k.view(torch.uint8).index_select(0, ids),
-                    v.view(torch.uint8).index_select(0, ids),
+                    k.view(torch.uint8).index_select(0, ids_by_layer[layer]),
+                    v.view(torch.uint8).index_select(0, ids_by_layer[layer]),
                 ),
                 dim=1,
             )
-            for k, v in zip(cache.k_caches, cache.v_caches)
+            for layer, (k, v) in enumerate(zip(cache.k_caches, cache.v_caches))
         ]  # each [n, 2, bs, Hkv, D * itemsize]
         host = torch.stack(per_layer, dim=1).cpu().contiguous()  # [n, L, 2, bs, Hkv, D * itemsize]
         raw = host.view(len(blocks), -1).numpy()
@@ -206,6 +212,18 @@ class StoreKVConnector(KVConnector):
             save_s=self._copy_out_s + store.save_s,
             saves_dropped=store.num_saves_dropped,
         )
+
+    def _ids_by_layer(
+        self, blocks: Sequence[BlockIds], device: torch.device
+    ) -> list[torch.Tensor]:
+        """Per layer, the page index of each block: its own id, or its layer group's id."""
+        groups = self._cache().layer_groups
+        if all(isinstance(ids, int) for ids in blocks):
+            shared = torch.tensor(blocks, device=device)
+            return [shared] * len(groups)
+        rows = [ids if isinstance(ids, tuple) else (ids,) * len(set(groups)) for ids in blocks]
+        by_group = torch.tensor(rows, device=device).T  # [G, n]
+        return [by_group[group] for group in groups]
 
     def _byte_shape(self) -> tuple[int, ...]:
         *dims, head_dim = self.namespace.block_shape

@@ -461,7 +461,7 @@ class Engine:
         if not events:
             return
         if self.kv_connector is not None:
-            lookup = self.kv_manager.block_pool.get_cached_block
+            lookup = self.kv_manager.cached_block_ids
             self.kv_connector.save_blocks(self.kv_connector.blocks_to_save(events, lookup))
         if self.config.enable_kv_events:
             for callback in self._kv_event_subscribers:

@@ -68,6 +68,7 @@ def build_kv(
         dtype=kv_dtype,
         device=device,
         slot_of_layer=[slots[layer][1] for layer in range(num_layers)],
+        group_of_layer=[slots[layer][0] for layer in range(num_layers)],
     )
     kv_namespace = str(kv_dtype)
     if kv_cache.is_fp8:  # per-(layer, kv head) transform from a fixed text: same weights, same one
@@ -109,12 +110,6 @@ def build_kv_connector(
     """The connector over config.kv_store's tiers (None when no store is configured)."""
     if config.kv_store is None:
         return None
-    if layout.is_hybrid:
-        raise InputError(
-            "kv_store",
-            "kv_store is not supported yet for models with sliding-window layers "
-            f"({len(layout.groups)} layer groups); allowed: kv_store=None for this model",
-        )
     from kvmemo.connector.spec import parse_kv_stores
     from kvmemo.connector.store_connector import namespace_for
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -152,7 +152,11 @@ class Scheduler:
                     num_external = self.connector.get_num_new_matched_tokens(request, num_full)
                     if num_external > 0 and prefix.partial is not None:
                         # The store has the whole block the partial match covers part of.
-                        prefix = replace(prefix, partial=None, num_tokens=num_full)
+                        whole = self.kv.drop_partial(request, prefix)
+                        if whole is None:  # a window group cannot serve the shorter hit
+                            num_external = 0
+                        else:
+                            prefix = whole
                 num_cached = prefix.num_tokens + num_external
                 if self._next_block_in_flight(request, num_cached, in_flight):
                     deferred.append(request)
@@ -163,8 +167,13 @@ class Scheduler:
                     self.waiting.appendleft(request)
                     break
                 if self.connector is not None:
-                    # The first num_external // block_size new blocks receive the store's KV.
-                    self.connector.update_state_after_alloc(request, new_block_ids, num_external)
+                    # The first num_external // block_size new blocks receive the store's KV
+                    # (in every layer group of a hybrid layout).
+                    targets = self.kv.load_targets(
+                        request, prefix.num_tokens // self.kv.block_size,
+                        num_external // self.kv.block_size,
+                    )
+                    self.connector.update_state_after_alloc(request, targets, num_external)
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_cached

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import KVEvent
+from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.kv.match import NO_MATCH, BlockCopy, PrefixCacheStats, PrefixMatch
@@ -168,6 +169,31 @@ class HybridKVCacheManager:
     def get_group_block_tables(self, request_id: str) -> list[list[int | None]]:
         """Each group's block table of the request, in layout.groups order."""
         return [g.get_block_table(request_id) for g in self.groups]
+
+    def drop_partial(self, request: Request, prefix: PrefixMatch) -> PrefixMatch | None:
+        """`prefix` shortened to its full blocks, or None when a sliding group cannot serve
+        that shorter hit (its window then starts at a block it may not have)."""
+        num_tokens = len(prefix.blocks) * self.block_size
+        if num_tokens == 0:
+            return NO_MATCH
+        others = [g.match_exactly(request, num_tokens) for g in self.groups[1:]]
+        if any(m is None for m in others):
+            return None
+        first = PrefixMatch(prefix.blocks, num_tokens)
+        return PrefixMatch(first.blocks, num_tokens, None, (first, *[m for m in others if m]))
+
+    def cached_block_ids(self, block_hash: BlockHash) -> tuple[int, ...] | None:
+        """Every group's cached block under `block_hash`, or None if a group lacks it (a store
+        payload holds all layers, so a block is saved only whole)."""
+        ids = [g.cached_block_ids(block_hash) for g in self.groups]
+        if any(i is None for i in ids):
+            return None
+        return tuple(i for i in ids if i is not None)
+
+    def load_targets(self, request: Request, first: int, count: int) -> list[tuple[int, ...]]:
+        """Per block first..first+count-1 of the request, its id in every group."""
+        per_group = [g.load_targets(request, first, count) for g in self.groups]
+        return list(zip(*per_group))
 
     def take_copies(self) -> list[BlockCopy]:
         return [copy for g in self.groups for copy in g.take_copies()]

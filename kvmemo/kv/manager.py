@@ -110,6 +110,21 @@ class KVCacheManager:
         """[the block table]: the single-group form of HybridKVCacheManager's."""
         return [self.get_block_table(request_id)]
 
+    def drop_partial(self, request: Request, prefix: PrefixMatch) -> PrefixMatch | None:
+        """`prefix` without its partial block (the store holds that whole block)."""
+        return replace(prefix, partial=None, num_tokens=len(prefix.blocks) * self.block_size)
+
+    def cached_block_ids(self, block_hash: BlockHash) -> int | None:
+        """The id of this group's cached block under `block_hash` (what a store saves), or None."""
+        block = self.block_pool.get_cached_block(block_hash, self.group)
+        return block.block_id if block is not None else None
+
+    def load_targets(self, request: Request, first: int, count: int) -> list[int]:
+        """The ids of the request's blocks first..first+count-1 (where store loads go)."""
+        table = self.get_block_table(request.request_id)[first : first + count]
+        assert len(table) == count and all(b is not None for b in table), "load into no block"
+        return [b for b in table if b is not None]
+
     def clear_partial_index(self) -> None:
         self._partial.clear()
 

@@ -93,15 +93,11 @@ def test_save_then_load_round_trips_every_layer(setup):
     events.append(BlockRemoved(block_hashes=(request.block_hashes[0],)))
     pool = dict(zip(request.block_hashes, table))
 
-    class _Block:
-        def __init__(self, block_id):
-            self.block_id = block_id
-
-    saves = saver.blocks_to_save(events, lambda h: _Block(pool[h]) if h in pool else None)
+    saves = saver.blocks_to_save(events, pool.get)
     assert saves == list(zip(request.block_hashes, table))
     saver.save_blocks(saves)
     saver.wait_for_save()
-    assert saver.blocks_to_save(events, lambda h: _Block(pool[h])) == []  # already stored
+    assert saver.blocks_to_save(events, pool.get) == []  # already stored
 
     dst = _cache()
     loader = StoreKVConnector(store, namespace, BS)

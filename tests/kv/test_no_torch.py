@@ -8,7 +8,8 @@ import sys
 _CODE = """
 import sys
 import kvmemo.kv, kvmemo.kv.manager, kvmemo.kv.block_pool, kvmemo.kv.hashing
-import kvmemo.kv.events, kvmemo.kv.free_queue, kvmemo.kv.partial_index
+import kvmemo.kv.events, kvmemo.kv.free_queue, kvmemo.kv.partial_index, kvmemo.kv.hybrid
+import kvmemo.kv.layout, kvmemo.kv.match
 bad = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "kvmemo.engine",
              "kvmemo.model", "kvmemo.attention")))
 assert not bad, bad

@@ -4,6 +4,8 @@ Runs everywhere (the real Gemma 3 GGUF tests are in test_gemma3_vs_hf.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -151,3 +153,41 @@ def test_beam_search_equals_transformers_and_is_cache_independent(tiny, prompts)
         (out,) = llm.beam_search([ids], beam_width=3, max_tokens=10, use_tqdm=False)
         assert list(out.outputs[0].token_ids) == want
     llm.engine.kv_manager.check_invariants()
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_store_serves_a_fresh_engine_every_layer_group(tiny, prompts, expected, tmp_path, tier):
+    """One engine saves (every layer of a block, gathered from each group's page); a fresh one
+    with an empty pool loads the prefix from the store and still equals transformers."""
+    directory, _ = tiny
+    with contextlib.ExitStack() as stack:
+        if tier == "redis":
+            from tests.redis_server import RedisServer
+
+            store = stack.enter_context(RedisServer()).url
+        else:
+            store = f"disk:{tmp_path}"
+        writer = LLM(str(directory), block_size=8, num_blocks=256, kv_store=store)
+        assert _greedy(writer, prompts[3:]) == expected[3:]
+        writer.engine.flush_kv_store()
+        reader = LLM(str(directory), block_size=8, num_blocks=256, kv_store=store)
+        params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+        (out,) = reader.generate([prompts[3]], params, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == expected[3]
+        assert out.metrics.num_cached_tokens >= 64  # 8 of its 70 prompt tokens' blocks loaded
+        assert reader.engine.kv_connector is not None
+        assert reader.engine.kv_connector.stats.hit_tokens >= 64
+        reader.engine.kv_manager.check_invariants()
+
+
+def test_kv_events_announce_the_full_attention_groups_blocks(tiny, prompts) -> None:
+    """Events speak for group 0 only: one BlockStored per full block, as a plain model's."""
+    directory, _ = tiny
+    llm = LLM(str(directory), block_size=8, num_blocks=256, enable_kv_events=True)
+    seen = []
+    llm.engine.subscribe_kv_events(seen.extend)
+    _greedy(llm, [prompts[3]])
+    stored = [h for e in seen if type(e).__name__ == "BlockStored" for h in e.block_hashes]
+    assert len(stored) == (len(prompts[3]) + NUM_NEW - 1) // 8
+    assert len(set(stored)) == len(stored)
+    assert sorted(llm.engine.cached_block_hashes()) == sorted(stored)

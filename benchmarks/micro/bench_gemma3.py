@@ -1,0 +1,190 @@
+"""Gemma 3 270M (Q4_K_M GGUF) on kvmemo beside llama.cpp on the same file, one sitting.
+
+    python -m benchmarks.micro.bench_gemma3 --engine kvmemo      # writes the prompts it used
+    benchmarks/peers/.venv-llamacpp/bin/python -m benchmarks.micro.bench_gemma3 --engine llama.cpp
+
+Figures: decode of one request at 18 and 1,024 tokens of context (greedy, 128 tokens, EOS
+ignored), prefill of 1,024 tokens (no cache), W1 built with Gemma's tokenizer (32 x [~1,024
+shared + ~32 own] tokens, 32 out; kvmemo batches them, llama.cpp runs them one by one with its
+prompt cache), and the KV bytes a 4,096-token conversation holds. kvmemo runs first and writes
+the token ids (benchmarks/results/gemma3-prompts.json), so llama.cpp gets the very same ids.
+Imports nothing outside the standard library at module level: the llama.cpp venv has no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+from benchmarks.machine_info import cpu_label
+from benchmarks.paths import RESULTS
+
+PROMPTS = RESULTS / "gemma3-prompts.json"
+DECODE_TOKENS = 128
+REPEATS = 3
+
+
+def _kvmemo(dtype: str) -> dict:
+    from benchmarks.workloads import build_w1
+    from kvmemo import LLM, SamplingParams
+    from kvmemo.model.loader import packaged_gemma3_path
+    from kvmemo.model.registry import default_chat_template
+
+    path = packaged_gemma3_path()
+    llm = LLM(path, dtype=dtype)
+    tok = llm.engine.tokenizer
+    words = "river stone light market garden window paper silver engine forest music".split()
+    text = " ".join(words[(i * 7) % len(words)] for i in range(3000))
+    long_ids = tok(text).input_ids[:1024]
+    short_ids = tok("The history of the river stone market began when").input_ids[:18]
+    tok.chat_template = default_chat_template("gemma3")  # the GGUF ships none; kvmemo's
+    w1 = build_w1(tok)
+    w1_prompts = [r["prompt_token_ids"] for r in w1.requests]
+    PROMPTS.write_text(json.dumps({
+        "model": path, "short": short_ids, "long": long_ids, "w1": w1_prompts,
+        "w1_max_tokens": w1.max_tokens,
+    }))
+    greedy = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def decode(ids: list[int]) -> float:
+        rates = []
+        for _ in range(REPEATS):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            (out,) = llm.generate([ids], greedy, use_tqdm=False)
+            wall = time.perf_counter() - start
+            rates.append((DECODE_TOKENS - 1) / (wall - out.metrics.ttft_s))
+        return statistics.median(rates)
+
+    def prefill() -> float:
+        times = []
+        for _ in range(REPEATS):
+            llm.reset_prefix_cache()
+            (out,) = llm.generate([long_ids], SamplingParams(max_tokens=1), use_tqdm=False)
+            times.append(out.metrics.ttft_s)
+        return len(long_ids) / statistics.median(times)
+
+    def w1_run() -> float:
+        params = SamplingParams(max_tokens=w1.max_tokens, temperature=0.0, ignore_eos=True)
+        times = []
+        for _ in range(REPEATS):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            llm.generate(w1_prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    llm.generate([short_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    result = {
+        "decode_tok_s_ctx18": decode(short_ids),
+        "decode_tok_s_ctx1024": decode(long_ids),
+        "prefill_tok_s_1024": prefill(),
+        "w1_s": w1_run(),
+    }
+    # KV of one 4,096-token conversation: what the pool holds for it (a sliding layer keeps its
+    # window), against what 18 full-attention layers would hold.
+    layout = llm.engine.layout
+    block_bytes = layout.block_size * layout.bytes_per_token
+    num_blocks = sum(
+        -(-4096 // layout.block_size) if g.sliding_window is None
+        else -(-(g.sliding_window - 1) // layout.block_size) + 1
+        for g in layout.groups
+    )
+    per_layer_token = layout.bytes_per_token // layout.layers_per_block
+    result["kv_bytes_4096"] = num_blocks * block_bytes
+    result["kv_bytes_4096_all_full"] = 4096 * per_layer_token * layout.num_layers
+    result["version"] = "kvmemo (this checkout)"
+    result["options"] = {"dtype": dtype}
+    return result
+
+
+def _llamacpp(threads: int) -> dict:
+    import llama_cpp
+
+    data = json.loads(PROMPTS.read_text())
+    llm = llama_cpp.Llama(model_path=data["model"], n_ctx=8192, n_threads=threads, n_batch=512,
+                          verbose=False)
+    eos = llm.token_eos()
+
+    def no_eos(input_ids, scores):
+        scores[eos] = -float("inf")
+        return scores
+
+    processors = llama_cpp.LogitsProcessorList([no_eos])
+
+    def generate(ids: list[int], n: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds for all n)."""
+        llm.reset()
+        start = time.perf_counter()
+        first = None
+        for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1,
+                                               logits_processor=processors), 1):
+            if first is None:
+                first = time.perf_counter() - start
+            if count == n:
+                break
+        return first or 0.0, time.perf_counter() - start
+
+    def decode(ids: list[int]) -> float:
+        rates = []
+        for _ in range(REPEATS):
+            ttft, wall = generate(ids, DECODE_TOKENS)
+            rates.append((DECODE_TOKENS - 1) / (wall - ttft))
+        return statistics.median(rates)
+
+    def prefill() -> float:
+        return len(data["long"]) / statistics.median(
+            generate(data["long"], 1)[0] for _ in range(REPEATS)
+        )
+
+    def w1_run() -> float:
+        times = []
+        for _ in range(REPEATS):
+            llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))
+            start = time.perf_counter()
+            for ids in data["w1"]:
+                try:
+                    llm.load_state(llm.cache[ids])
+                except KeyError:
+                    pass
+                for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1,
+                                                       logits_processor=processors), 1):
+                    if count == data["w1_max_tokens"]:
+                        break
+                llm.cache[llm._input_ids.tolist()] = llm.save_state()
+            times.append(time.perf_counter() - start)
+            llm.set_cache(None)
+        return statistics.median(times)
+
+    generate(data["short"], 4)  # warm-up
+    return {
+        "decode_tok_s_ctx18": decode(data["short"]),
+        "decode_tok_s_ctx1024": decode(data["long"]),
+        "prefill_tok_s_1024": prefill(),
+        "w1_s": w1_run(),
+        "version": f"llama-cpp-python {llama_cpp.__version__}",
+        "options": {"n_threads": threads, "n_batch": 512, "n_ctx": 8192},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=["kvmemo", "llama.cpp"], required=True)
+    parser.add_argument("--dtype", default="float32", help="kvmemo compute dtype")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="llama.cpp threads (default: one per core, its best on 2 cores)")
+    args = parser.parse_args()
+    result = _kvmemo(args.dtype) if args.engine == "kvmemo" else _llamacpp(args.threads)
+    result.update(engine=args.engine, cpu=cpu_label(), machine=platform.machine())
+    suffix = "" if args.engine != "kvmemo" or args.dtype == "float32" else f"-{args.dtype}"
+    out = RESULTS / f"gemma3-{args.engine}{suffix}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

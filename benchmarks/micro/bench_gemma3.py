@@ -14,6 +14,7 @@ Imports nothing outside the standard library at module level: the llama.cpp venv
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -25,11 +26,11 @@ from benchmarks.paths import RESULTS
 
 PROMPTS = RESULTS / "gemma3-prompts.json"
 DECODE_TOKENS = 128
+OUTPUT_TOKENS = 32  # W1's
 REPEATS = 3
 
 
 def _kvmemo(dtype: str) -> dict:
-    from benchmarks.workloads import build_w1
     from kvmemo import LLM, SamplingParams
     from kvmemo.model.loader import packaged_gemma3_path
     from kvmemo.model.registry import default_chat_template
@@ -42,11 +43,10 @@ def _kvmemo(dtype: str) -> dict:
     long_ids = tok(text).input_ids[:1024]
     short_ids = tok("The history of the river stone market began when").input_ids[:18]
     tok.chat_template = default_chat_template("gemma3")  # the GGUF ships none; kvmemo's
-    w1 = build_w1(tok)
-    w1_prompts = [r["prompt_token_ids"] for r in w1.requests]
+    w1_prompts = _gemma_w1(tok)
     PROMPTS.write_text(json.dumps({
         "model": path, "short": short_ids, "long": long_ids, "w1": w1_prompts,
-        "w1_max_tokens": w1.max_tokens,
+        "w1_max_tokens": OUTPUT_TOKENS,
     }))
     greedy = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -69,7 +69,7 @@ def _kvmemo(dtype: str) -> dict:
         return len(long_ids) / statistics.median(times)
 
     def w1_run() -> float:
-        params = SamplingParams(max_tokens=w1.max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
         times = []
         for _ in range(REPEATS):
             llm.reset_prefix_cache()
@@ -100,6 +100,28 @@ def _kvmemo(dtype: str) -> dict:
     result["version"] = "kvmemo (this checkout)"
     result["options"] = {"dtype": dtype}
     return result
+
+
+def _gemma_w1(tok, num_requests: int = 32, system_tokens: int = 1024) -> list[list[int]]:
+    """W1's shape in Gemma's turn format: Gemma has no system turn, so the ~1,024-token system
+    text opens the first user turn, and each request adds its own ~32-token question there
+    (workloads.build_w1 renders a system-only conversation, which Gemma's template drops)."""
+    import random
+
+    from benchmarks.workloads import DEFAULT_SEED, _chat_ids, _exact_tokens, _words
+
+    rng = random.Random(f"W1-gemma3-{DEFAULT_SEED}")
+    system = "You are a helpful assistant. Reference notes: " + _words(rng, system_tokens)
+    prompts = []
+    for i in range(num_requests):
+        question = tok.decode(_exact_tokens(tok, rng, 32))
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"{i}: {question}"}]
+        prompts.append(_chat_ids(tok, messages, True))
+    shared = min(sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(prompts[0], q)))
+                 for q in prompts[1:])
+    assert shared > 900, f"the prompts share only {shared} tokens"
+    return prompts
 
 
 def _llamacpp(threads: int) -> dict:

@@ -198,7 +198,9 @@ def gemma3_section() -> str:
         f"Same Q4_K_M GGUF and token ids, one sitting; machine {runs['kvmemo']['cpu']}. kvmemo "
         "dequantizes the weights at load (fp32 unless marked); llama.cpp runs the GGUF's own types "
         "with one thread per core. Median of 3.\n",
-        "| measurement | " + " | ".join(f"{n} ({runs[n]['version']})" for n in names) + " |",
+        "| measurement | " + " | ".join(
+            n if n.startswith("kvmemo") else f"{n} ({runs[n]['version']})" for n in names
+        ) + " |",
         "|---|" + "---|" * len(names),
     ]
     for label, key, fmt in rows:

@@ -254,8 +254,10 @@ class KVCacheManager:
         """Frees this request's blocks that no future query of it can see (sliding-window group
         only; blocks before num_computed - window + 1, num_computed defaulting to the request's).
         They stay cached, as any freed block does, for hits of requests whose window needs them."""
+        if self.window is None:  # first: the common case, a full-attention group
+            return
         state = self._requests.get(request.request_id)
-        if state is None or self.window is None:
+        if state is None:
             return
         if num_computed is None:
             num_computed = request.num_computed_tokens

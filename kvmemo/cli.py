@@ -22,6 +22,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     g.add_argument(
+        "--weights", default="dense", choices=["dense", "native"],
+        help="GGUF weights dequantized at load (dense, default) or kept at their GGUF bits and "
+        "read in place by the quantized kernel (native)",
+    )
+    g.add_argument(
         "--dtype", default="float32",
         help="float32, bfloat16 or float16 (default: float32)",
     )
@@ -126,6 +131,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         device=args.device,
         dtype=args.dtype,
+        weights=args.weights,
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
         block_size=args.block_size,

@@ -27,6 +27,9 @@ class EngineConfig:
 
     model: str | None = None  # .gguf file or HF directory; None = the bundled SmolLM2 GGUF
     dtype: str = "float32"  # compute / weight dtype
+    # How a GGUF's weights are held: "dense" (dequantized to `dtype` at load) or "native" (at
+    # their GGUF bits over the memory-mapped file, read in place by the quantized kernel)
+    weights: str = "dense"
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: str | int = "2GiB"  # KV pool size (ignored when num_blocks is set)
@@ -50,6 +53,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, MODEL_DTYPES)
+        _one_of("weights", self.weights, WEIGHT_MODES)
         _one_of("device", self.device, DEVICES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("prefix_cache_hash", self.prefix_cache_hash, ("sha256", "xxh3_128"))
@@ -92,6 +96,9 @@ class EngineConfig:
         if isinstance(kwargs.get("kv_store"), list):
             kwargs["kv_store"] = tuple(kwargs["kv_store"])
         return cls(**kwargs)
+
+
+WEIGHT_MODES = ("dense", "native")
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

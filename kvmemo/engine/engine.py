@@ -81,7 +81,9 @@ class Engine:
             keep_freed_memory()  # prefill's activations are reused, not page-faulted in again
         start = time.perf_counter()
         compute_dtype = _DTYPES[config.dtype]
-        loaded = load_model(config.model, dtype=compute_dtype, device=str(self.device))
+        loaded = load_model(
+            config.model, dtype=compute_dtype, device=str(self.device), weights=config.weights
+        )
         # Linear layers bind to the fastest kernels here (probed once per machine, cached).
         self.linear_kernels = loaded.model.prepare_linears()
         if self.device.type == "cpu":
@@ -100,7 +102,8 @@ class Engine:
         self.eos_token_ids = frozenset(arch.eos_token_ids)
 
         self.layout, kv_cache = build_kv(
-            config, loaded, compute_dtype, self.device, self.processor.encode_prompt
+            config, loaded, compute_dtype, self.device, self.processor.encode_prompt,
+            self.max_model_len,
         )
         self.hasher = self.layout.new_hasher()
         manager_class = HybridKVCacheManager if self.layout.is_hybrid else KVCacheManager

@@ -38,8 +38,12 @@ def build_kv(
     compute_dtype: torch.dtype,
     device: torch.device,
     encode_prompt: Callable[[str], list[int]],
+    max_model_len: int | None = None,
 ) -> tuple[KVLayout, PagedKVCache]:
-    """Sizes and allocates the paged KV pool, calibrates fp8 scales, and roots the namespace."""
+    """Sizes and allocates the paged KV pool, calibrates fp8 scales, and roots the namespace.
+
+    The pool is kv_cache_memory's worth of blocks (or num_blocks), but never more than
+    max_num_seqs sequences of max_model_len tokens can hold at once."""
     arch = loaded.arch_config
     num_layers, num_kv_heads, head_dim = (
         arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
@@ -53,6 +57,18 @@ def build_kv(
     num_blocks = config.num_blocks or config.kv_cache_memory_bytes // (
         bytes_per_token * config.block_size
     )
+    if config.num_blocks is None and max_model_len is not None:
+        # No larger than max_num_seqs sequences of the whole context can use.
+        needed = config.max_num_seqs * sum(
+            g.max_blocks(config.block_size, max_model_len, config.max_num_batched_tokens)
+            for g in groups
+        )
+        if needed < num_blocks:
+            logger.info(
+                "KV pool: %d blocks, what %d sequences of %d tokens can hold (kv_cache_memory "
+                "allows %d)", needed, config.max_num_seqs, max_model_len, num_blocks,
+            )
+            num_blocks = needed
     if num_blocks < 1:
         raise InputError(
             "kv_cache_memory",

@@ -23,6 +23,15 @@ class KVGroup:
     layer_indices: tuple[int, ...]
     sliding_window: int | None = None  # tokens; None = full attention
 
+    def max_blocks(self, block_size: int, num_tokens: int, max_chunk_tokens: int) -> int:
+        """Blocks one sequence of num_tokens holds at most in this group: all of them, or in a
+        sliding group its window plus the largest chunk a step computes."""
+        num_blocks = -(-num_tokens // block_size)
+        if self.sliding_window is None:
+            return num_blocks
+        window_blocks = -(-(self.sliding_window - 1 + max_chunk_tokens) // block_size) + 1
+        return min(num_blocks, window_blocks)
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:

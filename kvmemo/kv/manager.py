@@ -101,10 +101,9 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """Blocks one request of num_tokens holds at most in this group: all of them, or in a
         sliding group the window plus the largest chunk a step computes."""
-        num_blocks = -(-num_tokens // self.block_size)
-        if self.window is None:
-            return num_blocks
-        return min(num_blocks, -(-(self.window - 1 + max_chunk_tokens) // self.block_size) + 1)
+        return self.layout.groups[self.group].max_blocks(
+            self.block_size, num_tokens, max_chunk_tokens
+        )
 
     def get_group_block_tables(self, request_id: str) -> list[list[int | None]]:
         """[the block table]: the single-group form of HybridKVCacheManager's."""

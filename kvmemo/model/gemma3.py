@@ -85,8 +85,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         ]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight
-        return self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)
+        rows = super().embed(input_ids)
+        return rows * self.embed_scale.to(rows.dtype)
 
     def rope_tables(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -18,6 +18,7 @@ from gguf.quants import dequantize, quant_shape_from_byte_shape
 
 from kvmemo.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from kvmemo.model.gguf_header import GGUFFile, TensorInfo
+from kvmemo.model.quant_linear import QuantizedWeight
 from kvmemo.model.registry import LLAMA_GGUF_LAYER_NAMES, architecture_spec
 
 # F32/F16 are plain views; every other type is whatever gguf.quants implements (Q4_0..Q8_0,
@@ -45,11 +46,21 @@ _FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 _CHUNK_VALUES = 1 << 16  # per step; keeps temporaries small enough for malloc to reuse
 
 
+# llama.cpp tensors that are a linear layer's weight (or the embedding table, the tied head):
+# what native weights keep at their GGUF bits.
+LINEAR_PARTS = frozenset(
+    {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+)
+LINEAR_GLOBALS = frozenset({"token_embd.weight", "output.weight"})
+
+
 @dataclass
 class GGUFCheckpoint:
     """What a GGUF file holds, in HF terms."""
 
-    state_dict: dict[str, torch.Tensor]  # HF names -> fp32 tensors, HF (out, in) layout
+    # HF names -> fp32 tensors, HF (out, in) layout; with native=True, linear weights of a type
+    # the kernels read are QuantizedWeights (views of the mapped file) instead.
+    state_dict: dict[str, torch.Tensor | QuantizedWeight]
     arch_config: ModelArchConfig
     chat_template: str | None  # tokenizer.chat_template, verbatim
     bos_token_id: int | None
@@ -166,11 +177,13 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, t
     return gguf_file.header.metadata, tensors
 
 
-def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+def load_gguf(path: str | os.PathLike[str], *, native: bool = False) -> GGUFCheckpoint:
     """Read, dequantize and rename every tensor of a GGUF file into HF layout.
 
     Tensors that LlamaForCausalLM fuses (q/k/v, gate/up) are dequantized back to back into one
     buffer per layer, so the state dict holds adjacent views that the model adopts without a copy.
+    native=True keeps every linear weight (and the embedding table) of a quantized or 16-bit
+    type as a QuantizedWeight over the memory-mapped file instead; F32 ones stay dense.
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -211,7 +224,18 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
             "attn_k": arch_config.num_key_value_heads,
         }
 
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
+    if native:
+        for name, info in list(infos.items()):
+            part = m.group(2) if (m := _LAYER_RE.match(name)) else None
+            is_linear = part in LINEAR_PARTS or name in LINEAR_GLOBALS
+            if is_linear and info.qtype != GGMLQuantizationType.F32:
+                raw = gguf_file.raw(info)
+                if part in heads:  # llama.cpp's q/k row order: whole rows move, blocks stay
+                    order = reverse_llama_permute(torch.arange(raw.shape[0]), heads[part])
+                    raw = raw[order.numpy()]
+                state_dict[hf_names[name]] = QuantizedWeight.from_numpy(name, info.qtype, raw)
+                del infos[name]
     for name, out in _allocate(infos).items():
         info = infos[name]
         part = m.group(2) if (m := _LAYER_RE.match(name)) else None

@@ -16,6 +16,7 @@ from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from kvmemo.model.linear_kernels import KernelChoice, Linear
 from kvmemo.model.linear_probe import choose_kernels
+from kvmemo.model.quant_linear import NativeLinear, QuantizedWeight
 
 # attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -74,6 +75,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Owns embeddings, layers, final norm and lm_head; promises HF-equal numerics in fp32."""
 
+    head: Linear | NativeLinear  # the lm_head's kernels, bound by prepare_linears
+
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.config = config
@@ -96,6 +99,38 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
         self._plain_released = False
+        # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
+        # itself is an empty placeholder); empty when the weights were dequantized at load.
+        self.native_parts: dict[str, list[QuantizedWeight | torch.Tensor]] = {}
+
+    def _prepare_native_linears(self) -> KernelChoice:
+        """Every projection reads its GGUF blocks through the quantized kernel (NativeLinear);
+        parts stored dense in the file (F32) ride along in the same projection."""
+
+        def native(name: str, bias: torch.Tensor | None = None) -> NativeLinear:
+            parts = self.native_parts.get(name)
+            if parts is None:  # a weight the file holds in F32 throughout
+                parts = [self.get_parameter(name).detach().float()]
+            return NativeLinear(parts, bias)
+
+        for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
+            p = f"layers.{i}."
+            layer.qkv = native(p + "qkv_proj.weight", layer.qkv_proj.bias)  # type: ignore[assignment]
+            layer.o = native(p + "o_proj.weight", layer.o_proj.bias)  # type: ignore[assignment]
+            gate_up = self.native_parts.get(p + "mlp.gate_up_proj.weight")
+            if gate_up is not None and len(gate_up) == 2:
+                layer.mlp.gate = NativeLinear([gate_up[0]], None)  # type: ignore[assignment]
+                layer.mlp.up = NativeLinear([gate_up[1]], None)  # type: ignore[assignment]
+            else:
+                weight = self.get_parameter(p + "mlp.gate_up_proj.weight").detach().float()
+                size = layer.mlp.intermediate_size
+                layer.mlp.gate = NativeLinear([weight[:size]], None)  # type: ignore[assignment]
+                layer.mlp.up = NativeLinear([weight[size:]], None)  # type: ignore[assignment]
+            layer.mlp.down = native(p + "mlp.down_proj.weight")  # type: ignore[assignment]
+        head = "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.head = native(head)
+        self.linear_choice = KernelChoice()  # recorded; NativeLinear picks per call
+        return self.linear_choice
 
     def make_layer(self, config: ModelArchConfig, index: int) -> nn.Module:
         """Decoder layer `index`; an architecture with another block shape overrides this."""
@@ -117,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         the plain ones are released (the projections' weight memory is held once, not twice);
         binding again to a kernel that reads them rebuilds them exactly from the packed copies.
         """
+        if self.native_parts:
+            return self._prepare_native_linears()
         self._restore_plain_weights()
         if choice is None:
             layers = [cast(DecoderLayer, layer) for layer in self.layers]
@@ -129,10 +166,10 @@ class LlamaForCausalLM(nn.Module):
         self._release_plain_weights()
         return choice
 
-    def _projections(self) -> list[tuple[nn.Linear, list[Linear]]]:
+    def _projections(self) -> list[tuple[nn.Linear, list[Linear | NativeLinear]]]:
         """Each projection module and the Linears over its weight (gate and up share one);
         the lm_head only when it is not the embedding table (which lookups read)."""
-        pairs: list[tuple[nn.Linear, list[Linear]]] = []
+        pairs: list[tuple[nn.Linear, list[Linear | NativeLinear]]] = []
         for layer in self.layers:
             layer = cast(DecoderLayer, layer)
             mlp = layer.mlp
@@ -149,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for module, linears in pairs:
                 for lin in linears:
+                    assert isinstance(lin, Linear)  # packed_only: NativeLinear never is
                     lin.release_plain()
                 weight = module.weight
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
@@ -170,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
     def from_state_dict(
         cls,
         config: ModelArchConfig,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor | QuantizedWeight],
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
@@ -187,10 +225,23 @@ class LlamaForCausalLM(nn.Module):
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, hf_names in model._fusion_plan():
-                weight = _concat_rows([state_dict[n] for n in hf_names])
+                parts = [state_dict[n] for n in hf_names]
+                module, _, attr = name.rpartition(".")
+                if any(isinstance(p, QuantizedWeight) for p in parts):  # native weights
+                    dense = [p if isinstance(p, QuantizedWeight) else p.float() for p in parts]
+                    model.native_parts[name] = dense
+                    rows = sum(p.shape[0] for p in parts)
+                    if (rows, parts[0].shape[1]) != tuple(params[name].shape):
+                        raise ValueError(
+                            f"{hf_names} hold {rows} x {parts[0].shape[1]}, expected "
+                            f"{tuple(params[name].shape)}"
+                        )
+                    placeholder = torch.empty(0, dtype=dtype, device=device)  # never read
+                    setattr(model.get_submodule(module), attr, nn.Parameter(placeholder))
+                    continue
+                weight = _concat_rows([p for p in parts if isinstance(p, torch.Tensor)])
                 weight = weight.to(device=device, dtype=dtype).contiguous()
                 _check_shape(hf_names, weight, params[name])
-                module, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(module), attr, nn.Parameter(weight))
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -224,7 +275,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [T, hidden] (Gemma scales them)."""
+        """Token embeddings [T, hidden] (Gemma scales them); a native table dequantizes just the
+        rows asked for."""
+        table = self.native_parts.get("embed_tokens.weight")
+        if table is not None:
+            (weight,) = table
+            if isinstance(weight, QuantizedWeight):
+                return weight.rows(input_ids).to(self.embed_tokens.weight.dtype)
         return self.embed_tokens(input_ids)
 
     def rope_tables(
@@ -240,13 +297,18 @@ class LlamaForCausalLM(nn.Module):
         return self.head(hidden).float()
 
     def param_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+        native = sum(p.shape[0] * p.shape[1] for parts in self.native_parts.values() for p in parts)
+        return native + sum(p.numel() for p in self.parameters())  # tied weights counted once
 
     def weight_bytes(self) -> int:
         """Bytes of weights held: parameters (tied ones once, released ones not at all) and
         the kernels' packed copies."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        if self.linear_choice is not None:
+        total += sum(
+            p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
+            for parts in self.native_parts.values() for p in parts
+        )
+        if self.linear_choice is not None and not self.native_parts:
             total += sum(lin.packed_bytes for _, linears in self._projections() for lin in linears)
             if self.lm_head.weight is self.embed_tokens.weight:
                 total += self.head.packed_bytes  # not among _projections: the table stays
@@ -271,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         """Every HF checkpoint key this config requires."""
         return [name for _, names in self._fusion_plan() for name in names]
 
-    def _check_keys(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def _check_keys(self, state_dict: Mapping[str, object]) -> None:
         expected = set(self.hf_weight_names())
         given = {k for k in state_dict if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:

@@ -25,6 +25,7 @@ from kvmemo.model.gguf import load_gguf
 from kvmemo.model.image_processor import ImageInputSpec, ImageProcessorConfig
 from kvmemo.model.llama import LlamaForCausalLM
 from kvmemo.model.llava import LlavaConfig, LlavaForConditionalGeneration
+from kvmemo.model.quant_linear import QuantizedWeight
 from kvmemo.model.registry import architecture_spec, default_chat_template
 from kvmemo.model.safetensors_loader import (
     load_safetensors_dir,
@@ -132,10 +133,15 @@ def checkpoint_fingerprint(path: Path) -> str:
 
 
 def load_model(
-    path: str | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    path: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    weights: str = "dense",
 ) -> LoadedModel:
     """Load a .gguf file or an HF safetensors directory (None: the bundled SmolLM2 GGUF;
-    "gemma3-270m": the packaged Gemma 3, see packaged_gemma3_path).
+    "gemma3-270m": the packaged Gemma 3, see packaged_gemma3_path). weights="native" keeps a
+    GGUF's linear weights at their own bits (quant_linear.py); "dense" dequantizes to `dtype`.
 
     Raises:
         FileNotFoundError: the path (or its config/weights) does not exist.
@@ -152,18 +158,24 @@ def load_model(
 
     image_input: ImageInputSpec | None = None
     model: LlamaForCausalLM | LlavaForConditionalGeneration
+    state_dict: dict[str, torch.Tensor | QuantizedWeight]
 
     if resolved.is_file():
         if resolved.suffix != ".gguf":
             raise ValueError(
                 f"{resolved} is a file but not a .gguf; allowed: a .gguf file or an HF directory"
             )
-        checkpoint = load_gguf(resolved)
+        checkpoint = load_gguf(resolved, native=weights == "native")
         state_dict, arch_config = checkpoint.state_dict, checkpoint.arch_config
         chat_template = checkpoint.chat_template
         fingerprint = checkpoint_fingerprint(resolved)
         tokenizer = load_gguf_tokenizer(resolved, fingerprint)
     else:
+        if weights == "native":
+            raise ValueError(
+                f"weights='native' keeps a GGUF's quantized tensors; {resolved} is an HF "
+                "directory, whose weights load dense: use weights='dense'"
+            )
         fingerprint = checkpoint_fingerprint(resolved)
         tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
         chat_template = getattr(tokenizer, "chat_template", None)
@@ -171,7 +183,8 @@ def load_model(
             model, image_input = _load_llava(resolved, tokenizer, dtype, device)
             arch_config = model.config.text
         else:
-            state_dict, arch_config = load_safetensors_dir(resolved)
+            dense, arch_config = load_safetensors_dir(resolved)
+            state_dict = dict(dense)
 
     if image_input is None:
         spec = architecture_spec(arch_config.architecture)

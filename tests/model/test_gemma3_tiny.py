@@ -191,3 +191,13 @@ def test_kv_events_announce_the_full_attention_groups_blocks(tiny, prompts) -> N
     assert len(stored) == (len(prompts[3]) + NUM_NEW - 1) // 8
     assert len(set(stored)) == len(stored)
     assert sorted(llm.engine.cached_block_hashes()) == sorted(stored)
+
+
+def test_preemption_under_a_small_pool_stays_exact(tiny, prompts, expected) -> None:
+    """Four requests that cannot all hold their blocks at once: the newest are preempted (every
+    group's blocks freed) and recomputed or re-hit later, and all still equal transformers."""
+    directory, _ = tiny
+    llm = LLM(str(directory), block_size=8, num_blocks=48, max_num_batched_tokens=16)
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.stats().num_preemptions > 0
+    llm.engine.kv_manager.check_invariants()

@@ -80,8 +80,9 @@ def test_permutation_round_trip() -> None:
     assert torch.equal(reverse_llama_permute(llama_permute(b, 4), 4), b)
 
 
-def _tiny_llama_gguf(path, hf: torch.nn.Module) -> None:
-    """What convert_hf_to_gguf writes for a llama: renamed tensors, q/k rows permuted."""
+def _tiny_llama_gguf(path, hf: torch.nn.Module, types: dict[str, Q] | None = None) -> None:
+    """What convert_hf_to_gguf writes for a llama: renamed tensors, q/k rows permuted; `types`
+    quantizes the weights of the named llama.cpp tensors (attn_q, token_embd, ...)."""
     cfg = hf.config
     names = {
         "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
@@ -102,7 +103,12 @@ def _tiny_llama_gguf(path, hf: torch.nn.Module) -> None:
             tensor = llama_permute(tensor, cfg.num_attention_heads)
         elif "k_proj" in hf_name:
             tensor = llama_permute(tensor, cfg.num_key_value_heads)
-        tensors[name] = (tensor.numpy(), None)
+        part = name.split(".")[-2]
+        qtype = (types or {}).get(part)
+        if qtype is not None and kind == "weight":
+            tensors[name] = (quants.quantize(tensor.numpy().astype(np.float32), qtype), qtype)
+        else:
+            tensors[name] = (tensor.numpy(), None)
     _write(
         path, "llama", tensors,
         block_count=cfg.num_hidden_layers, context_length=cfg.max_position_embeddings,

@@ -1,0 +1,216 @@
+"""GGUF-quantized weights kept at their own bits: products and row lookups read them in place.
+
+Invariant: quant_linear(x, w) equals F.linear(x, w.dequantize()) to fp32 rounding, and
+w.rows(ids) equals w.dequantize()[ids] exactly, for every supported type
+(kernels/quant_linear.c). The bytes are a view of the GGUF file's memory map, so a weight costs
+its file size in page cache (shared, evictable) and no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvmemo.native import load_library
+
+SOURCE = Path(__file__).with_name("kernels") / "quant_linear.c"
+T = GGMLQuantizationType
+# The types the kernel reads (its enum holds the same GGML type numbers).
+NATIVE_TYPES = frozenset(
+    {T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
+)
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class _Library:
+    linear: Callable[..., int]
+    rows: Callable[..., int]
+
+
+@cache
+def _library() -> _Library | None:
+    library = load_library(SOURCE, "quantized weights are dequantized at load instead")
+    if library is None:
+        return None
+    linear = library.kvmemo_quant_linear
+    linear.restype = ctypes.c_int
+    linear.argtypes = [_p, _p, ctypes.c_int, _p, _i64, _i64, _i64, _i64]
+    rows = library.kvmemo_quant_rows
+    rows.restype = ctypes.c_int
+    rows.argtypes = [_p, ctypes.c_int, _p, _i64, _i64, _p]
+    return _Library(linear, rows)
+
+
+def native_kernel_available() -> bool:
+    return _library() is not None
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A [num_rows, num_cols] weight as GGUF blocks: `data` holds num_rows rows of bytes."""
+
+    name: str  # the tensor's name, for errors
+    qtype: GGMLQuantizationType
+    data: torch.Tensor  # uint8 [num_rows, row_bytes], contiguous (a view of the mapped file)
+    num_cols: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in NATIVE_TYPES:
+            raise ValueError(
+                f"tensor {self.name!r} has type {self.qtype.name}, which the native kernels do "
+                f"not read; supported: {', '.join(sorted(t.name for t in NATIVE_TYPES))}"
+            )
+        values, size = GGML_QUANT_SIZES[self.qtype]
+        if self.num_cols % values or self.data.shape[1] != self.num_cols // values * size:
+            raise ValueError(
+                f"tensor {self.name!r}: {self.data.shape[1]} bytes per row do not hold "
+                f"{self.num_cols} {self.qtype.name} values"
+            )
+        if self.data.dtype != torch.uint8 or not self.data.is_contiguous():
+            raise ValueError(f"tensor {self.name!r}: data must be contiguous uint8 rows")
+
+    @classmethod
+    def from_numpy(cls, name: str, qtype: GGMLQuantizationType, raw: np.ndarray) -> QuantizedWeight:
+        """raw: the tensor's bytes as GGUF stores them, [num_rows, row_bytes] uint8 (a memmap
+        view is kept, not copied; torch warns that it is read-only, which it is to us too)."""
+        values, size = GGML_QUANT_SIZES[qtype]
+        raw = raw if raw.dtype == np.uint8 else np.ascontiguousarray(raw).view(np.uint8)
+        rows = raw.reshape(raw.shape[0] if raw.ndim > 1 else 1, -1)
+        with _quiet_readonly():
+            data = torch.from_numpy(np.ascontiguousarray(rows))
+        return cls(name, qtype, data, rows.shape[1] // size * values)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.num_cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [len(ids), num_cols] of the given rows (all rows when ids is None)."""
+        lib = _require()
+        ids64 = None if ids is None else ids.to(torch.int64).contiguous()
+        num_rows = self.data.shape[0]
+        num = num_rows if ids64 is None else ids64.numel()
+        if ids64 is not None and num and not 0 <= int(ids64.min()) <= int(ids64.max()) < num_rows:
+            raise IndexError(f"row ids outside [0, {num_rows}) for {self.name!r}")
+        out = torch.empty(num, self.num_cols, dtype=torch.float32)
+        status = lib.rows(
+            self.data.data_ptr(), int(self.qtype), None if ids64 is None else ids64.data_ptr(),
+            num, self.num_cols, out.data_ptr(),
+        )
+        assert status == 0, f"quant_rows status {status}"
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(None)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x [M, K] fp32 @ dequant(weight)[N, K]^T -> [M, N] fp32 (or into `out`, [M, >= N] with
+    unit column stride, e.g. a column slice of a fused output)."""
+    lib = _require()
+    if x.dim() != 2 or x.shape[1] != weight.num_cols:
+        raise ValueError(
+            f"x must be [M, {weight.num_cols}] for {weight.name!r}, got {tuple(x.shape)}"
+        )
+    x32 = x.to(torch.float32).contiguous()
+    num_rows, num_out = x32.shape[0], weight.data.shape[0]
+    if out is None:
+        out = torch.empty(num_rows, num_out, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.stride(1) != 1 or out.shape != (num_rows, num_out):
+        raise ValueError("out must be fp32 [M, N] with unit column stride")
+    status = lib.linear(
+        x32.data_ptr(), weight.data.data_ptr(), int(weight.qtype), out.data_ptr(),
+        num_rows, num_out, weight.num_cols, out.stride(0),
+    )
+    assert status == 0, f"quant_linear status {status}"
+    return out
+
+
+def _require() -> _Library:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(
+            "the quantized-weight kernel could not be built (no C compiler?); "
+            "load the model with weights='fp32' or 'bf16'"
+        )
+    return lib
+
+
+@contextlib.contextmanager
+def _quiet_readonly() -> Iterator[None]:
+    """torch.from_numpy on a read-only memmap warns once per call; the weights are never
+    written, so the warning says nothing here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        yield
+
+
+class NativeLinear:
+    """A projection whose weight is one or more row blocks (a fused q/k/v or gate/up may mix
+    GGUF types), each quantized or dense fp32, with the Linear call interface.
+
+    Few rows (decode, logits) run the kernel on the GGUF bytes, each part writing its columns of
+    the output; more rows (prefill) dequantize the parts into one fp32 weight for that call and
+    use F.linear, so nothing dense is kept between calls.
+    """
+
+    __slots__ = ("parts", "bias", "num_out")
+
+    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None):
+        self.parts = parts
+        self.bias = None if bias is None else bias.detach()
+        self.num_out = sum(p.shape[0] for p in parts)
+
+    packed_bytes = 0
+    packed_only = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
+                   for p in self.parts)
+
+    def dense(self) -> torch.Tensor:
+        """The whole weight [N, K] in fp32 (dequantized now)."""
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float()
+                          for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] > MAX_KERNEL_ROWS:
+            out = F.linear(x2.float(), self.dense())
+        else:
+            out = torch.empty(x2.shape[0], self.num_out, dtype=torch.float32)
+            x32 = x2.float().contiguous()
+            start = 0
+            for part in self.parts:
+                end = start + part.shape[0]
+                if isinstance(part, QuantizedWeight):
+                    quant_linear(x32, part, out[:, start:end])
+                else:
+                    out[:, start:end] = F.linear(x32, part.float())
+                start = end
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*shape[:-1], self.num_out)
+
+
+MAX_KERNEL_ROWS = 32  # above it, dequantize once and use a GEMM (prefill is compute-bound)

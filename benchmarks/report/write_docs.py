@@ -179,11 +179,11 @@ runs interleaved in one process, best of {s['reps']}.
 """
 
 
-def gemma3_section() -> str:
-    """Gemma 3 270M beside llama.cpp (micro/bench_gemma3.py), each engine a column."""
-    runs = {name: json.loads((RESULTS / f"gemma3-{name}.json").read_text())
-            for name in ("kvmemo", "kvmemo-bfloat16", "llama.cpp")
-            if (RESULTS / f"gemma3-{name}.json").is_file()}
+def gguf_section(model: str, title: str) -> str:
+    """A GGUF model beside llama.cpp (micro/bench_gguf.py), each engine and mode a column."""
+    runs = {name: json.loads((RESULTS / f"{model}-{name}.json").read_text())
+            for name in ("kvmemo", "kvmemo-native", "kvmemo-bfloat16", "llama.cpp")
+            if (RESULTS / f"{model}-{name}.json").is_file()}
     if "kvmemo" not in runs:
         return ""
     names = list(runs)
@@ -191,28 +191,33 @@ def gemma3_section() -> str:
         ("decode, one request, 18-token context (tok/s)", "decode_tok_s_ctx18", "{:.1f}"),
         ("decode, one request, 1,024-token context (tok/s)", "decode_tok_s_ctx1024", "{:.1f}"),
         ("prefill, 1,024 tokens (tok/s)", "prefill_tok_s_1024", "{:.0f}"),
-        ("W1 with Gemma's tokenizer, wall (s)", "w1_s", "{:.2f}"),
+        ("W1, wall (s)", "w1_s", "{:.2f}"),
+        ("start (load to ready, s)", "startup_s", "{:.2f}"),
+        ("peak RSS of the whole run (MiB)", "peak_rss_bytes", "{:.0f}"),
     ]
     lines = [
-        "## Gemma 3 270M beside llama.cpp (`python -m benchmarks.micro.bench_gemma3`)\n",
-        f"Same Q4_K_M GGUF and token ids, one sitting; machine {runs['kvmemo']['cpu']}. kvmemo "
-        "dequantizes the weights at load (fp32 unless marked); llama.cpp runs the GGUF's own types "
-        "with one thread per core. Median of 3.\n",
+        f"## {title} beside llama.cpp (`python -m benchmarks.micro.bench_gguf --model {model}`)\n",
+        f"Same GGUF and token ids, one sitting; machine {runs['kvmemo']['cpu']}. kvmemo: "
+        "fp32 compute, weights dequantized at load, unless marked (native: GGUF bits read in "
+        "place); llama.cpp runs the GGUF's own types with one thread per core. Median of 3.\n",
         "| measurement | " + " | ".join(
             n if n.startswith("kvmemo") else f"{n} ({runs[n]['version']})" for n in names
         ) + " |",
         "|---|" + "---|" * len(names),
     ]
     for label, key, fmt in rows:
-        cells = [fmt.format(runs[n][key]) if key in runs[n] else "-" for n in names]
+        scale = 2**20 if key.endswith("_bytes") else 1
+        cells = [fmt.format(runs[n][key] / scale) if key in runs[n] else "-" for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     k = runs["kvmemo"]
-    lines += [
-        "",
-        f"KV of one 4,096-token conversation in kvmemo (fp32): {k['kv_bytes_4096'] / 2**20:.1f} MiB "
-        f"(3 full layers x 4,096 tokens + 15 sliding layers x their 512-token window), against "
-        f"{k['kv_bytes_4096_all_full'] / 2**20:.1f} MiB if every layer held the whole context.\n",
-    ]
+    if "kv_bytes_4096" in k and model.startswith("gemma3"):
+        lines += [
+            "",
+            f"KV of one 4,096-token conversation in kvmemo (fp32): "
+            f"{k['kv_bytes_4096'] / 2**20:.1f} MiB (3 full layers x 4,096 tokens + 15 sliding "
+            f"layers x their 512-token window), against {k['kv_bytes_4096_all_full'] / 2**20:.1f} "
+            "MiB if every layer held the whole context.\n",
+        ]
     return "\n".join(lines)
 
 
@@ -261,7 +266,8 @@ def main() -> None:
     for name, section in SECTIONS:
         if (RESULTS / name).is_file():
             parts.append(section(json.loads((RESULTS / name).read_text())))
-    parts.append(gemma3_section())
+    parts.append(gguf_section("smollm2", "SmolLM2-135M (Q4_1)"))
+    parts.append(gguf_section("gemma3-270m", "Gemma 3 270M (Q4_K_M)"))
     parts.append(peers_section())  # benchmarks/results/peers/*.json, one file per engine run
     if NOTES.is_file():
         parts.append(NOTES.read_text())

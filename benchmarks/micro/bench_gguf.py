@@ -1,13 +1,16 @@
-"""Gemma 3 270M (Q4_K_M GGUF) on kvmemo beside llama.cpp on the same file, one sitting.
+"""A GGUF model on kvmemo beside llama.cpp on the same file, one sitting: the bundled SmolLM2
+(Q4_1) or Gemma 3 270M (Q4_K_M).
 
-    python -m benchmarks.micro.bench_gemma3 --engine kvmemo      # writes the prompts it used
-    benchmarks/peers/.venv-llamacpp/bin/python -m benchmarks.micro.bench_gemma3 --engine llama.cpp
+    python -m benchmarks.micro.bench_gguf --model gemma3-270m --engine kvmemo  # writes prompts
+    python -m benchmarks.micro.bench_gguf --model gemma3-270m --engine kvmemo --weights native
+    benchmarks/peers/.venv-llamacpp/bin/python -m benchmarks.micro.bench_gguf \
+        --model gemma3-270m --engine llama.cpp
 
 Figures: decode of one request at 18 and 1,024 tokens of context (greedy, 128 tokens, EOS
 ignored), prefill of 1,024 tokens (no cache), W1 built with Gemma's tokenizer (32 x [~1,024
 shared + ~32 own] tokens, 32 out; kvmemo batches them, llama.cpp runs them one by one with its
-prompt cache), and the KV bytes a 4,096-token conversation holds. kvmemo runs first and writes
-the token ids (benchmarks/results/gemma3-prompts.json), so llama.cpp gets the very same ids.
+prompt cache), and the KV bytes a 4,096-token conversation holds, and peak RSS. kvmemo runs first and writes
+the token ids (benchmarks/results/<model>-prompts.json), so llama.cpp gets the very same ids.
 Imports nothing outside the standard library at module level: the llama.cpp venv has no torch.
 """
 
@@ -24,27 +27,44 @@ import time
 from benchmarks.machine_info import cpu_label
 from benchmarks.paths import RESULTS
 
-PROMPTS = RESULTS / "gemma3-prompts.json"
+MODELS = ("smollm2", "gemma3-270m")
 DECODE_TOKENS = 128
 OUTPUT_TOKENS = 32  # W1's
 REPEATS = 3
 
 
-def _kvmemo(dtype: str) -> dict:
+def _prompts_file(model: str):
+    return RESULTS / f"{model}-prompts.json"
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _kvmemo(model: str, dtype: str, weights: str) -> dict:
     from kvmemo import LLM, SamplingParams
-    from kvmemo.model.loader import packaged_gemma3_path
+    from kvmemo.model.loader import bundled_model_path, packaged_gemma3_path
     from kvmemo.model.registry import default_chat_template
 
-    path = packaged_gemma3_path()
-    llm = LLM(path, dtype=dtype)
+    path = packaged_gemma3_path() if model == "gemma3-270m" else bundled_model_path()
+    start = time.perf_counter()
+    llm = LLM(path, dtype=dtype, weights=weights)
+    startup_s = time.perf_counter() - start
     tok = llm.engine.tokenizer
     words = "river stone light market garden window paper silver engine forest music".split()
     text = " ".join(words[(i * 7) % len(words)] for i in range(3000))
     long_ids = tok(text).input_ids[:1024]
     short_ids = tok("The history of the river stone market began when").input_ids[:18]
-    tok.chat_template = default_chat_template("gemma3")  # the GGUF ships none; kvmemo's
-    w1_prompts = _gemma_w1(tok)
-    PROMPTS.write_text(json.dumps({
+    if model == "gemma3-270m":
+        tok.chat_template = default_chat_template("gemma3")  # the GGUF ships none; kvmemo's
+        w1_prompts = _gemma_w1(tok)
+    else:
+        from benchmarks.workloads import build_w1
+
+        w1_prompts = [r["prompt_token_ids"] for r in build_w1(tok).requests]
+    _prompts_file(model).write_text(json.dumps({
         "model": path, "short": short_ids, "long": long_ids, "w1": w1_prompts,
         "w1_max_tokens": OUTPUT_TOKENS,
     }))
@@ -98,7 +118,10 @@ def _kvmemo(dtype: str) -> dict:
     result["kv_bytes_4096"] = num_blocks * block_bytes
     result["kv_bytes_4096_all_full"] = 4096 * per_layer_token * layout.num_layers
     result["version"] = "kvmemo (this checkout)"
-    result["options"] = {"dtype": dtype}
+    result["options"] = {"dtype": dtype, "weights": weights}
+    result["startup_s"] = startup_s
+    result["weights_bytes"] = llm.memory_stats().weights_bytes
+    result["peak_rss_bytes"] = _peak_rss_bytes()
     return result
 
 
@@ -124,12 +147,14 @@ def _gemma_w1(tok, num_requests: int = 32, system_tokens: int = 1024) -> list[li
     return prompts
 
 
-def _llamacpp(threads: int) -> dict:
+def _llamacpp(model: str, threads: int) -> dict:
     import llama_cpp
 
-    data = json.loads(PROMPTS.read_text())
+    data = json.loads(_prompts_file(model).read_text())
+    start = time.perf_counter()
     llm = llama_cpp.Llama(model_path=data["model"], n_ctx=8192, n_threads=threads, n_batch=512,
                           verbose=False)
+    startup_s = time.perf_counter() - start
     eos = llm.token_eos()
 
     def no_eos(input_ids, scores):
@@ -190,20 +215,32 @@ def _llamacpp(threads: int) -> dict:
         "w1_s": w1_run(),
         "version": f"llama-cpp-python {llama_cpp.__version__}",
         "options": {"n_threads": threads, "n_batch": 512, "n_ctx": 8192},
+        "startup_s": startup_s,
+        "peak_rss_bytes": _peak_rss_bytes(),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="gemma3-270m")
     parser.add_argument("--engine", choices=["kvmemo", "llama.cpp"], required=True)
     parser.add_argument("--dtype", default="float32", help="kvmemo compute dtype")
+    parser.add_argument("--weights", default="dense", choices=["dense", "native"],
+                        help="kvmemo's weights option")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama.cpp threads (default: one per core, its best on 2 cores)")
     args = parser.parse_args()
-    result = _kvmemo(args.dtype) if args.engine == "kvmemo" else _llamacpp(args.threads)
-    result.update(engine=args.engine, cpu=cpu_label(), machine=platform.machine())
-    suffix = "" if args.engine != "kvmemo" or args.dtype == "float32" else f"-{args.dtype}"
-    out = RESULTS / f"gemma3-{args.engine}{suffix}.json"
+    if args.engine == "kvmemo":
+        result = _kvmemo(args.model, args.dtype, args.weights)
+    else:
+        result = _llamacpp(args.model, args.threads)
+    result.update(engine=args.engine, model=args.model, cpu=cpu_label(), machine=platform.machine())
+    suffix = ""
+    if args.engine == "kvmemo":
+        suffix = ("" if args.weights == "dense" else f"-{args.weights}") + (
+            "" if args.dtype == "float32" else f"-{args.dtype}"
+        )
+    out = RESULTS / f"{args.model}-{args.engine}{suffix}.json"
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 

@@ -245,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="publish KV events (ZeroMQ PUB, msgpack) on this endpoint, e.g. tcp://127.0.0.1:5557, "
         "for `kvmemo router` (default: off)",
     )
+    serve.add_argument(
+        "--kv-events-format", default="kvmemo", choices=["kvmemo", "vllm"],
+        help="kvmemo (what `kvmemo router` reads) or vllm (vLLM's KVEventBatch on the wire, for "
+        "routers written for vLLM: llm-d, Dynamo, Ray Serve LLM) (default: kvmemo)",
+    )
+    serve.add_argument(
+        "--kv-events-replay-endpoint", default=None,
+        help="with --kv-events-format vllm: a ROUTER endpoint where subscribers replay missed "
+        "batches, e.g. tcp://127.0.0.1:5558 (default: off)",
+    )
     _add_engine_flags(serve)
     router = sub.add_parser(
         "router",
@@ -421,6 +431,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         engine_options=_engine_options(args),
         kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_format=args.kv_events_format,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
     )
     return 0
 

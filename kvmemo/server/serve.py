@@ -35,6 +35,8 @@ def serve(
     served_model_name: str | None = None,
     engine_options: dict[str, Any] | None = None,
     kv_events_endpoint: str | None = None,
+    kv_events_format: str = "kvmemo",
+    kv_events_replay_endpoint: str | None = None,
 ) -> None:
     import uvicorn
 
@@ -51,7 +53,17 @@ def serve(
     if kv_events_endpoint is not None:
         from kvmemo.server.kv_events import KVEventPublisher  # needs pyzmq and msgpack
 
-        publisher = KVEventPublisher(kv_events_endpoint)
+        if kv_events_format == "vllm":  # routers written for vLLM consume it unchanged
+            from kvmemo.server.vllm_kv_events import VllmKVEventPublisher
+
+            medium = "GPU" if inner.device.type == "cuda" else "CPU"
+            publisher = VllmKVEventPublisher(  # type: ignore[assignment]
+                kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint, medium=medium
+            )
+        elif kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-format vllm")
+        else:
+            publisher = KVEventPublisher(kv_events_endpoint)
         # Subscribed before the engine thread starts: publish() runs on that thread only.
         inner.subscribe_kv_events(publisher.publish)
         logger.info("KV events on %s", kv_events_endpoint)

@@ -36,16 +36,24 @@ class EventBatch:
     events: tuple[KVEvent, ...]
 
 
+def stored_fields(event: BlockStored) -> dict[str, Any]:
+    """The fields of a BlockStored that kvmemo's and vLLM's wire formats share, as msgpack
+    takes them (hashes as bytes)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": [bytes(h) for h in event.block_hashes],
+        "parent_block_hash": None
+        if event.parent_block_hash is None
+        else bytes(event.parent_block_hash),
+        "token_ids": list(event.token_ids),
+        "block_size": event.block_size,
+    }
+
+
 def _event_to_wire(event: KVEvent) -> dict[str, Any]:
     if isinstance(event, BlockStored):
         return {
-            "type": "BlockStored",
-            "block_hashes": [bytes(h) for h in event.block_hashes],
-            "parent_block_hash": None
-            if event.parent_block_hash is None
-            else bytes(event.parent_block_hash),
-            "token_ids": list(event.token_ids),
-            "block_size": event.block_size,
+            **stored_fields(event),
             "extra_keys": [list(key) for key in event.extra_keys],
         }
     if isinstance(event, BlockRemoved):

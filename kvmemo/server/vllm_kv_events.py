@@ -35,6 +35,7 @@ import msgpack
 import zmq
 
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmemo.server.kv_events import stored_fields
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,7 @@ def vllm_event(event: KVEvent, medium: str) -> dict[str, Any]:
     """One event as vLLM's msgspec struct encodes it (a tagged map)."""
     if isinstance(event, BlockStored):
         out: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": [bytes(h) for h in event.block_hashes],
-            "parent_block_hash": None
-            if event.parent_block_hash is None
-            else bytes(event.parent_block_hash),
-            "token_ids": list(event.token_ids),
-            "block_size": event.block_size,
+            **stored_fields(event),
             "lora_id": None,
             "medium": medium,
             "lora_name": None,

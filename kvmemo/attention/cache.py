@@ -77,9 +77,13 @@ class PagedKVCache:
     v_offsets: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # fp8 only: [head_dim, head_dim] fp32, orthogonal
     # Per layer, its layer group (hybrid layouts: a block id names one group's page of the
-    # layers sharing a slot); all 0 for a single group.
+    # layers sharing a slot); empty means all 0, a single group.
     layer_groups: list[int] = field(default_factory=list)
     _unrotated: bool = field(default=True, init=False, repr=False)  # rotation is the identity
+
+    def __post_init__(self) -> None:
+        if not self.layer_groups:
+            self.layer_groups = [0] * len(self.k_pages)
 
     @classmethod
     def allocate(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemo.kv.layout import first_window_block
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -113,11 +115,6 @@ class AttentionMetadata:
             num_cache_blocks=num_cache_blocks,
             sliding_window=sliding_window,
         )
-
-
-def first_window_block(num_computed: int, block_size: int, window: int) -> int:
-    """Index of the first block a query at position >= num_computed can see through `window`."""
-    return max(0, num_computed - window + 1) // block_size
 
 
 def _crop_to_window(

@@ -237,7 +237,8 @@ class ModelRunner:
         if len(self.kv_groups) <= 1:
             return [metadata] * num_layers
         by_group = [
-            AttentionMetadata.build(
+            # Group 0 is the full-attention group: its tables are the ones `metadata` holds.
+            metadata if g == 0 and group.sliding_window is None else AttentionMetadata.build(
                 block_tables=[s.group_block_tables[g] for s in seqs],
                 num_computed_tokens=[s.num_computed_tokens for s in seqs],
                 query_lens=[len(s.token_ids) for s in seqs],

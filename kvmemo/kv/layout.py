@@ -74,6 +74,12 @@ class KVLayout:
         return RequestHasher(self.namespace_root, self.block_size, self.hash_algorithm)
 
 
+def first_window_block(num_computed: int, block_size: int, window: int) -> int:
+    """Index of the first block a query at position >= num_computed sees through `window`
+    tokens (it sees positions > position - window): blocks before it are never read again."""
+    return max(0, num_computed - window + 1) // block_size
+
+
 def full_attention_groups(num_layers: int) -> tuple[KVGroup, ...]:
     """One group holding every layer: the layout of a model without sliding-window layers."""
     return (KVGroup("full", tuple(range(num_layers))),)

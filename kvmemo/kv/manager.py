@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash, extra_keys_for_range
-from kvmemo.kv.layout import KVLayout
+from kvmemo.kv.layout import KVLayout, first_window_block
 from kvmemo.kv.match import NO_MATCH, BlockCopy, PartialMatch, PrefixCacheStats, PrefixMatch
 from kvmemo.kv.partial_index import PartialEntry, PartialIndex, common_prefix_len
 
@@ -227,7 +227,7 @@ class KVCacheManager:
         blocks: list[Block | None] = [None] * first
         for index in range(first, num_full):
             block = self.block_pool.get_cached_block(request.block_hashes[index], self.group)
-            parent = self._parent(request, index)
+            parent = self._hasher.parent_hash(request, index)
             if block is None or not self._holds(block, parent, request, index):
                 return None
             blocks.append(block)
@@ -235,7 +235,7 @@ class KVCacheManager:
         if num_partial:
             if not self.enable_partial_reuse:
                 return None
-            parent = self._parent(request, num_full)
+            parent = self._hasher.parent_hash(request, num_full)
             found = self._find_partial(request, parent, num_full, num_partial)
             if found is None or found.num_tokens < num_partial:
                 return None
@@ -247,7 +247,7 @@ class KVCacheManager:
         full-attention group): blocks before it can be released."""
         if self.window is None:
             return 0
-        return max(0, num_computed - self.window + 1) // self.block_size
+        return first_window_block(num_computed, self.block_size, self.window)
 
     def release_outside_window(self, request: Request, num_computed: int | None = None) -> None:
         """Frees this request's blocks that no future query of it can see (sliding-window group
@@ -265,9 +265,6 @@ class KVCacheManager:
         if released:
             state.blocks[:first] = [None] * first
             self.block_pool.free_blocks(reversed(released))
-
-    def _parent(self, request: Request, index: int) -> BlockHash:
-        return request.block_hashes[index - 1] if index > 0 else self._hasher.root
 
     def _holds(self, block: Block, parent: BlockHash, request: Request, index: int) -> bool:
         """True if `block` stores exactly full block `index` of `request` (not a hash collision)."""
@@ -325,14 +322,11 @@ class KVCacheManager:
         hits = [block for block in hit_entries if block is not None]
         partial = prefix.partial if prefix is not None else None
         num_computed = prefix.num_tokens if prefix is not None else request.num_computed_tokens
-        num_held = len(state.blocks) if state is not None else len(hit_entries)
-        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = max(0, num_required - num_held)
+        num_new_blocks, shared_tail = self._growth(request, num_new_tokens, prefix)
         # Free hits leave the free queue, so they use capacity; an adopted source block is one of
         # the new blocks, taken from the free queue like a fresh one.
         num_free_hits = sum(block.ref_count == 0 for block in hits)
         num_free = self.block_pool.num_free_blocks
-        shared_tail = self._shared_tail(state, num_computed) if num_new_tokens > 0 else None
         if num_new_blocks + num_free_hits + (shared_tail is not None) > num_free:
             return None
         if shared_tail is not None:
@@ -377,6 +371,13 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
     ) -> int:
         """Blocks allocate_slots would take from the free queue (free hits not counted)."""
+        num_new_blocks, shared_tail = self._growth(request, num_new_tokens, prefix)
+        return num_new_blocks + (shared_tail is not None)
+
+    def _growth(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None
+    ) -> tuple[int, int | None]:
+        """(blocks the table grows by, index of a fork-shared tail to copy before writing)."""
         state = self._requests.get(request.request_id)
         num_computed = prefix.num_tokens if prefix is not None else request.num_computed_tokens
         if state is not None:
@@ -385,7 +386,7 @@ class KVCacheManager:
             num_held = len(prefix.blocks) if prefix is not None else 0
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         shared_tail = self._shared_tail(state, num_computed) if num_new_tokens > 0 else None
-        return max(0, num_required - num_held) + (shared_tail is not None)
+        return max(0, num_required - num_held), shared_tail
 
     def _shared_tail(self, state: _RequestBlocks | None, num_computed: int) -> int | None:
         """Index of the partially filled block the next token writes into, if a fork shares it."""

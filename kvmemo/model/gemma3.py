@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvmemo.model.config import SLIDING_ATTENTION, ModelArchConfig
-from kvmemo.model.layers import GemmaRMSNorm, RotaryEmbedding, apply_rotary
+from kvmemo.model.layers import GemmaRMSNorm, RotaryEmbedding
 from kvmemo.model.llama import AttentionFn, DecoderLayer, LlamaForCausalLM
 
 
@@ -28,6 +28,9 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
     def forward(
         self,
         layer_idx: int,
@@ -36,16 +39,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv(self.input_layernorm(hidden))  # [T, (H + 2*KV) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))  # [T, KV, D]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = attention(layer_idx, q, k, v)  # [T, H, D]
-        out = self.o(out.reshape(num_tokens, self.q_size))
+        out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
         hidden = hidden + self.post_attention_layernorm(out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp_out)

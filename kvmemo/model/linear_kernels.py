@@ -58,9 +58,11 @@ def kernel_usable(name: str, dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and skinny_linear.kernel_available()
 
 
-def _onednn_matmul(
+def onednn_matmul(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    """x @ W^T (+ b) by oneDNN; W packed by _reorder_linear_weight, or plain (it reorders it
+    itself, each call)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -122,7 +124,7 @@ class Linear:
         kernel = self.choice.decode if rows <= DECODE_ROWS else self.choice.prefill
         if kernel == "onednn" and x.dtype == self._dtype:
             assert self._packed is not None
-            return _onednn_matmul(x, self._packed, self.bias)
+            return onednn_matmul(x, self._packed, self.bias)
         if kernel == "skinny" and x.dim() == 2:
             return skinny_linear.linear(x, self.dense(), self.bias)
         return F.linear(x, self.dense(), self.bias)

@@ -57,19 +57,34 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        normed = self.input_layernorm(hidden)
+        out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
+        hidden = hidden + out  # [T, hidden]
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def attention_block(
+        self,
+        layer_idx: int,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        """o_proj(attention(rope(q), rope(k), v)) of the normed hidden states [T, hidden]."""
+        num_tokens = normed.shape[0]
         qkv = self.qkv(normed)  # [T, (H + 2*KV) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        q, k = self.qk_norm(q, k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = attention(layer_idx, q, k, v)  # [T, H, D]
-        out = self.o(out.reshape(num_tokens, self.q_size))
-        hidden = hidden + out  # [T, hidden]
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return self.o(out.reshape(num_tokens, self.q_size))
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head norms of q and k before RoPE: none in a Llama (Gemma overrides)."""
+        return q, k
 
 
 class LlamaForCausalLM(nn.Module):

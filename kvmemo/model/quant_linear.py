@@ -1,7 +1,7 @@
 """GGUF-quantized weights kept at their own bits: products and row lookups read them in place.
 
-Invariant: quant_linear(x, w) equals F.linear(x, w.dequantize()) to fp32 rounding, and
-w.rows(ids) equals w.dequantize()[ids] exactly, for every supported type
+Invariant: w.rows(ids) equals gguf-py's dequantize of those rows exactly, and quant_linear(x, w)
+equals F.linear(x, w.dequantize()) to fp32 rounding, for every supported type
 (kernels/quant_linear.c). The bytes are a view of the GGUF file's memory map, so a weight costs
 its file size in page cache (shared, evictable) and no copy.
 """
@@ -22,9 +22,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvmemo.model.linear_kernels import onednn_available, onednn_matmul
 from kvmemo.native import load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "quant_linear.c"
+# NativeLinear's kernel path up to this many rows, dequantize + oneDNN above: a 32-row decode
+# batch ran faster in the kernel (dequantizing Gemma's 262k-row head every step cost more).
+MAX_KERNEL_ROWS = 32
 T = GGMLQuantizationType
 # The types the kernel reads (its enum holds the same GGML type numbers).
 NATIVE_TYPES = frozenset(
@@ -167,9 +171,9 @@ class NativeLinear:
     """A projection whose weight is one or more row blocks (a fused q/k/v or gate/up may mix
     GGUF types), each quantized or dense fp32, with the Linear call interface.
 
-    Few rows (decode, logits) run the kernel on the GGUF bytes, each part writing its columns of
-    the output; more rows (prefill) dequantize the parts into one fp32 weight for that call and
-    use F.linear, so nothing dense is kept between calls.
+    Up to MAX_KERNEL_ROWS rows (decode batches, logits) run the kernel on the GGUF bytes, each
+    part writing its columns of the output; more rows (prefill) dequantize the parts into one
+    weight for that call and multiply with oneDNN, so nothing dense is kept between calls.
     """
 
     __slots__ = ("parts", "bias", "num_out")
@@ -200,10 +204,8 @@ class NativeLinear:
             # MKL took 8.7 for 1,024 x 576 x 1,536 fp32 on Zen 5), in the compute dtype.
             dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
             weight = self.dense().to(dtype)
-            if _ONEDNN and x2.device.type == "cpu":
-                out = torch.ops.mkldnn._linear_pointwise(
-                    x2.to(dtype).contiguous(), weight, None, "none", [], ""
-                ).float()
+            if onednn_available(dtype) and x2.device.type == "cpu":
+                out = onednn_matmul(x2.to(dtype).contiguous(), weight, None).float()
             else:
                 out = F.linear(x2.to(dtype), weight).float()
         else:
@@ -221,6 +223,3 @@ class NativeLinear:
             out += self.bias
         return out.to(x.dtype).reshape(*shape[:-1], self.num_out)
 
-
-MAX_KERNEL_ROWS = 32  # decode batches: dequantizing a 262k-row head per step costs more (measured)
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvmemo.attention.backend import PagedAttentionBackend, ReferenceAttentionBackend
-from kvmemo.attention.metadata import AttentionMetadata, first_window_block
+from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.kv.layout import first_window_block
 from tests.attention.paged_testing import HEAD_DIM, make_batch
 
 pytestmark = pytest.mark.usefixtures("decode_path")  # kernel and gather decodes

@@ -44,13 +44,13 @@ def test_kernel_equals_f_linear(dtype, kernel, rows, out_features, in_features, 
 def test_the_chosen_kernel_is_the_one_that_runs(monkeypatch):
     usable_or_skip("onednn", torch.float32)
     calls = []
-    real = linear_kernels._onednn_matmul
+    real = linear_kernels.onednn_matmul
 
     def spy(x, packed, bias):
         calls.append(x.shape[0])
         return real(x, packed, bias)
 
-    monkeypatch.setattr(linear_kernels, "_onednn_matmul", spy)
+    monkeypatch.setattr(linear_kernels, "onednn_matmul", spy)
     lin = Linear(torch.randn(64, 32), None, KernelChoice(decode="torch", prefill="onednn"))
     lin(torch.randn(4, 32))  # decode class: torch
     lin(torch.randn(40, 32))  # prefill class: oneDNN

@@ -1,12 +1,15 @@
 /* GGUF-quantized linear layers for CPU: y[M, N] = x[M, K] . dequant(W)[N, K]^T, W's rows in
  * their GGUF bytes (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), read in place.
  *
- * Invariant: each weight row dequantizes to the values gguf-py's dequantize gives (the same
- * products of fp16 scales and integer codes, in fp32), and each output is one dot product over
- * K of those values with a row of x; so y equals F.linear(x, dequantize(W)) to fp32 rounding.
+ * Invariant: kvmemo_quant_rows gives exactly the values gguf-py's dequantize gives (the same
+ * products of fp16 scales and integer codes, in fp32); kvmemo_quant_linear uses the same values
+ * (the compiler may fuse a block's scale and offset into one multiply-add) and sums in another
+ * order, so y equals F.linear(x, dequantize(W)) to fp32 rounding.
  * Why: a decode step multiplies a few rows of x by every weight, bound by reading the weights;
- * a Q4 row is ~1/7 of its fp32 bytes. Each thread dequantizes its own share of W's rows, one row
- * at a time into an L1-resident buffer, and reuses it for every row of x.
+ * a Q4 row is ~1/7 of its fp32 bytes. Each thread takes its own share of W's rows; a row's
+ * 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1) are dequantized in vector registers, other types a
+ * row at a time into an L1-resident buffer, and each is reused for every row of x (up to MAX_M
+ * rows at a time).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,7 +20,6 @@
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
 typedef int32_t v16i32 __attribute__((vector_size(64)));
 static inline v16f loadf(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline float hsum(v16f v) {

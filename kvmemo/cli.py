@@ -256,6 +256,57 @@ def build_parser() -> argparse.ArgumentParser:
         "batches, e.g. tcp://127.0.0.1:5558 (default: off)",
     )
     _add_engine_flags(serve)
+    ray_serve = sub.add_parser(
+        "ray-serve",
+        help="serve N engine replicas on Ray Serve behind one OpenAI-compatible endpoint, routed "
+        "by cached prefix (needs the `ray` extra)",
+    )
+    ray_serve.add_argument(
+        "--address", default=None,
+        help="the Ray cluster to join: auto (the one `ray start --head` began on this node) or "
+        "ray://HOST:10001 (default: start a local one)",
+    )
+    ray_serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
+    )
+    ray_serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    ray_serve.add_argument(
+        "--num-replicas", type=int, default=2,
+        help="engine replicas when not autoscaling (default: 2)",
+    )
+    ray_serve.add_argument(
+        "--min-replicas", type=int, default=None,
+        help="autoscale the replicas between this and --max-replicas (default: off)",
+    )
+    ray_serve.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscaling's upper bound"
+    )
+    ray_serve.add_argument(
+        "--target-ongoing-requests", type=float, default=32.0,
+        help="autoscaling's target of requests in flight per replica (default: 32)",
+    )
+    ray_serve.add_argument(
+        "--replica-cpus", type=float, default=1.0,
+        help="CPUs Ray reserves for each replica; its torch threads (default: 1)",
+    )
+    ray_serve.add_argument(
+        "--max-ongoing-requests", type=int, default=64,
+        help="requests one replica takes at once before Ray queues them (default: 64)",
+    )
+    ray_serve.add_argument(
+        "--router", default="kvmemo", choices=["kvmemo", "prefix_affinity", "pow2"],
+        help="kvmemo (longest cached prefix from the replicas' KV events, else least loaded), "
+        "prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter) or pow2 (Ray's power of two "
+        "choices) (default: kvmemo)",
+    )
+    ray_serve.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes",
+    )
+    ray_serve.add_argument(
+        "--served-model-name", default=None,
+        help="model name clients send (default: the model file's stem)",
+    )
+    _add_engine_flags(ray_serve)
     router = sub.add_parser(
         "router",
         help="route OpenAI requests to the replica holding the longest cached prefix "
@@ -437,6 +488,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ray_serve(args: argparse.Namespace) -> int:
+    try:
+        import ray  # noqa: F401
+
+        from kvmemo.integrations.ray_serve import Autoscaling, build_app, run
+    except ImportError as exc:
+        raise ValueError(f"kvmemo ray-serve needs Ray Serve: pip install 'kvmemo[ray]' ({exc})")
+    autoscaling = None
+    if args.min_replicas is not None or args.max_replicas is not None:
+        if args.min_replicas is None or args.max_replicas is None:
+            raise ValueError("autoscaling needs both --min-replicas and --max-replicas")
+        autoscaling = Autoscaling(args.min_replicas, args.max_replicas,
+                                  args.target_ongoing_requests)
+    app = build_app(
+        args.model,
+        engine_options=_engine_options(args),
+        num_replicas=args.num_replicas,
+        autoscaling=autoscaling,
+        replica_cpus=args.replica_cpus,
+        max_ongoing_requests=args.max_ongoing_requests,
+        router=args.router,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+    )
+    print(f"kvmemo on Ray Serve: http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+    run(app, address=args.address, host=args.host, port=args.port)
+    return 0
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     from kvmemo.server.router import run_router
 
@@ -467,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_serve(args)
         if args.command == "router":
             return _cmd_router(args)
+        if args.command == "ray-serve":
+            return _cmd_ray_serve(args)
         return _cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""kvmemo inside other serving systems (Ray Serve); each integration needs its own extra."""

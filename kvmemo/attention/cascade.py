@@ -20,6 +20,7 @@ import torch
 
 from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cpu_kernel import load_decode_kernel
+from kvmemo.attention.flash_kernel import flash_attention
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -134,7 +135,7 @@ def _prefix_attention(
     # [T, Hkv, G, D] -> [1, Hkv, T * G, D]: row t * G + g is token t of head h * G + g.
     qg = q.view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qg = qg.reshape(1, num_kv_heads, num_tokens * group, head_dim)
-    o, lse = attention_with_lse(qg, k[None], v[None], None, scale)
+    o, lse = attention_with_lse_upto(qg, k[None], v[None], None, scale)
     o = o.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
     return o.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)
@@ -226,12 +227,9 @@ def _batched_decode_suffix(
     v = gather_pages(v_pages, ids, q.dtype, "cascade_dv", workspace)
     k = k.view(num_kv_heads, batch, length, head_dim).transpose(0, 1)
     v = v.view(num_kv_heads, batch, length, head_dim).transpose(0, 1)
-    lens = torch.tensor(suffix_lens, device=q.device)
-    valid = torch.arange(length, device=q.device)[None, :] < lens[:, None]  # [B, Ls]
+    last_key = torch.tensor(suffix_lens, device=q.device)[:, None].expand(batch, group) - 1
     qg = q.view(batch, num_kv_heads, group, head_dim)  # heads h*G..h*G+G-1 share kv head h
-    o, lse = attention_with_lse(
-        qg, k, v, valid[:, None, None, :], scale
-    )  # [B, Hkv, G, D], [B, Hkv, G]
+    o, lse = attention_with_lse_upto(qg, k, v, last_key, scale)  # [B, Hkv, G, D], [B, Hkv, G]
     return o.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 
@@ -289,10 +287,8 @@ def _batched_prefill_suffix(
     qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(batch, num_kv_heads, group * max_q, head_dim)
     last_key = (suffix_lens - query_lens)[:, None] + row[None, :]  # [B, max_q]
-    last_key = last_key.masked_fill(~in_chunk, 0)
-    valid = torch.arange(length)[None, None, :] <= last_key[:, :, None]  # [B, max_q, L]
-    valid = valid.repeat(1, group, 1)[:, None].to(q.device)  # [B, 1, G * max_q, L]
-    o, lse_p = attention_with_lse(qp, k, v, valid, scale)  # [B, Hkv, G*max_q, D], [B, Hkv, G*max_q]
+    last_key = last_key.masked_fill(~in_chunk, 0).repeat(1, group)  # [B, G * max_q]
+    o, lse_p = attention_with_lse_upto(qp, k, v, last_key, scale)  # [B, Hkv, G*max_q, D], [..]
     o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     lse_p = lse_p.view(batch, num_kv_heads, group, max_q).permute(0, 3, 1, 2)
     keep = in_chunk.reshape(-1).to(q.device)
@@ -311,14 +307,37 @@ def _prefill_suffix(
     # [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
     qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
-    q_pos = torch.arange(suffix_len - query_len, suffix_len, device=q.device)
-    valid = torch.arange(suffix_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Ls]
-    o, lse = attention_with_lse(
-        qg, k[None], v[None], valid.repeat(group, 1), scale
+    q_pos = torch.arange(suffix_len - query_len, suffix_len, device=q.device)  # causal
+    o, lse = attention_with_lse_upto(
+        qg, k[None], v[None], q_pos.repeat(group), scale
     )  # [1, Hkv, G * Lq, D], [1, Hkv, G * Lq]
     o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
     lse = lse.view(num_kv_heads, group, query_len).permute(2, 0, 1)
     return o.reshape(query_len, num_heads, head_dim), lse.reshape(query_len, num_heads)
+
+
+def attention_with_lse_upto(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, H, Lk, D]
+    v: torch.Tensor,
+    last_key: torch.Tensor | None,  # int [B, Lq] or [Lq]: row i sees keys [0, last_key[i]]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse for masks that end each row at a key (causal, padded lengths):
+    o [B, H, Lq, D] (fp32 from the compiled kernel, else q's dtype) and fp32 lse [B, H, Lq].
+
+    CPU: kvmemo's flash kernel (flash_kernel.py, 2-4x torch's here) when it can run the call.
+    """
+    if q.device.type == "cpu":
+        result = flash_attention(q, k, v, last_key, scale)
+        if result is not None:
+            return result
+    valid = None
+    if last_key is not None:
+        rows = last_key.reshape(-1, q.shape[2]).to(q.device)  # [B or 1, Lq]
+        keys = torch.arange(k.shape[2], device=q.device)
+        valid = (keys[None, None, :] <= rows[:, :, None])[:, None]  # [B or 1, 1, Lq, Lk]
+    return attention_with_lse(q, k, v, valid, scale)
 
 
 def attention_with_lse(

@@ -25,6 +25,7 @@ from kvmemo.attention.cascade import (
     merge_attention_states,
 )
 from kvmemo.attention.cpu_kernel import load_decode_kernel
+from kvmemo.attention.flash_kernel import flash_attention
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -232,7 +233,8 @@ def prefill_attention(
     With a window (a sliding layer whose keys outnumber it), one masked SDPA that also hides
     keys more than window - 1 positions back.
 
-    CPU: two mask-free flash calls merged by log-sum-exp, the cached keys without a mask and the
+    CPU: kvmemo's flash kernel (flash_kernel.py) over cached and new keys at once; without it,
+    two mask-free torch flash calls merged by log-sum-exp, the cached keys without a mask and the
     new keys with is_causal (which skips the upper triangle): no [Lq, Lk] mask is built and K/V
     heads are shared through the kernel's native grouped-query support. Elsewhere: one masked SDPA.
     """
@@ -243,6 +245,17 @@ def prefill_attention(
     v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[None, :, :seq_len]
     if q.device.type != "cpu" or window is not None:
         return _masked_prefill(q, k, v, num_cached, scale, window)
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # kvmemo's kernel: [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D], row g * Lq + i sees keys up to
+    # num_cached + i, cached and new keys in one pass.
+    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
+    last_key = torch.arange(num_cached, seq_len).repeat(group)
+    result = flash_attention(qg, k, v, last_key, scale)
+    if result is not None:
+        o = result[0].view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
+        return o.reshape(query_len, num_heads, head_dim).to(q.dtype)
     q4 = q.transpose(0, 1)[None]  # [1, Hq, Lq, D]
     o_new, lse_new = _flash_cpu(q4, k[:, :, num_cached:], v[:, :, num_cached:], True, scale)
     if num_cached == 0:

@@ -1,5 +1,6 @@
-"""Attention tests marked with this fixture run twice: decodes through the compiled CPU kernel and through the torch
-gather + SDPA fallback (what a machine without a C compiler, or CUDA, uses)."""
+"""Attention tests marked with this fixture run twice: through the compiled CPU kernels (decode,
+flash prefill) and through torch's gather + SDPA / flash fallback (what a machine without a C
+compiler or AVX-512, or CUDA, uses)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         if load_decode_kernel() is None:
             pytest.skip("no C compiler here: the CPU decode kernel cannot be built")
     else:
-        for module in (paged, cascade):
+        for module in (paged, cascade):  # torch's kernels only: the compiled ones step aside
             monkeypatch.setattr(module, "load_decode_kernel", lambda: None)
+            monkeypatch.setattr(module, "flash_attention", lambda *args, **kwargs: None)
     return request.param

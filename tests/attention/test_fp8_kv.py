@@ -66,15 +66,42 @@ def test_transform_is_calibrated_deterministic_and_in_the_namespace(fp8_llm):
 
 
 def test_fast_path_equals_reference_backend_with_fp8_pages(fp8_llm):
+    """Teacher-forced on the reference's greedy continuation, the fast path (kvmemo's flash and
+    decode kernels over raw fp8 pages) predicts every next token the reference does wherever the
+    reference's choice is not a near tie, with the same log-probabilities to fp8's rounding.
+
+    Free-running greedy tokens are not compared: a 1e-7 difference in a hidden state can move
+    an fp8-rounded K or V value a whole quantisation step (1/16 of it), and later layers carry
+    that on. Measured on these sequences, the largest log-probability difference was 0.05
+    between torch's flash kernel and the reference and 0.13 between kvmemo's and the reference
+    (1.5e-5 between the kernels with an fp32 cache); free-running, a 0.014-nat near tie 10
+    tokens in went either way."""
     prompts = ["The three primary colours are", "def add(a, b):\n    return"]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runner = fp8_llm.engine.runner
-    fast = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params, use_tqdm=False)]
     paged = runner.attention_backend
+
+    def forced(token_ids: list[list[int]]) -> list[list[dict[int, float]]]:
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+        outs = fp8_llm.generate(token_ids, params, use_tqdm=False)
+        return [o.prompt_logprobs[1:] for o in outs]
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     runner.attention_backend = ReferenceAttentionBackend(paged.scale)
     try:
-        ref = [o.outputs[0].token_ids for o in fp8_llm.generate(prompts, params, use_tqdm=False)]
+        outs = fp8_llm.generate(prompts, greedy, use_tqdm=False)
+        sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+        ref = forced(sequences)
     finally:
         runner.attention_backend = paged
-    assert fast == ref
+    fast = forced(sequences)
+    decided = 0
+    for seq, ref_rows, fast_rows in zip(sequences, ref, fast):
+        for pos, (r, f) in enumerate(zip(ref_rows, fast_rows)):
+            actual = seq[pos + 1]
+            assert abs(r[actual] - f[actual]) < 0.25, (pos, r, f)
+            top = sorted(r.items(), key=lambda kv: -kv[1])
+            if len(top) > 1 and top[0][1] - top[1][1] > 0.25:  # not a near tie
+                decided += 1
+                assert max(f, key=f.get) == top[0][0], (pos, r, f)
+    assert decided >= 30  # most positions are decided: the check is not vacuous
     assert_all_blocks_free(fp8_llm)

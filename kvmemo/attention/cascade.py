@@ -16,6 +16,9 @@ torch_ref.paged_attention_ref to float tolerance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from kvmemo.attention.cache import gather_pages
@@ -31,6 +34,25 @@ from kvmemo.attention.workspace import Workspace
 # so tests can lower them.
 MIN_PREFIX_TOKENS = 128
 MIN_SAVED_TOKENS = 768  # (num_seqs - 1) * prefix_len: prefix K/V rows no longer gathered
+
+
+class _LastStep:
+    """Values every layer's call of one step would otherwise rebuild from the same metadata
+    (decode rows, suffix lengths): kept for the latest metadata object, one per step."""
+
+    def __init__(self) -> None:
+        self.metadata: AttentionMetadata | None = None
+        self.values: dict[object, Any] = {}
+
+    def get(self, metadata: AttentionMetadata, key: object, build: Callable[[], Any]) -> Any:
+        if metadata is not self.metadata:
+            self.metadata, self.values = metadata, {}
+        if key not in self.values:
+            self.values[key] = build()
+        return self.values[key]
+
+
+_per_step = _LastStep().get
 
 
 def common_prefix_blocks(block_tables: torch.Tensor, max_blocks: int) -> int:
@@ -155,7 +177,9 @@ def _suffix_attention(
     Returns o [T, Hq, D], lse [T, Hq].
     """
     num_tokens, num_heads, _ = q.shape
-    decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
+    decode = _per_step(
+        metadata, "decode", lambda: [s for s, n in enumerate(metadata.query_lens) if n == 1]
+    )
     if len(decode) == metadata.num_seqs:
         return _batched_decode_suffix(
             q, k_pages, v_pages, metadata, decode, prefix_blocks, scale, workspace
@@ -207,13 +231,18 @@ def _batched_decode_suffix(
     batch, num_heads = q.shape[0], q.shape[1]
     group = num_heads // num_kv_heads
     prefix_len = prefix_blocks * block_size
-    suffix_lens = [metadata.seq_lens[s] - prefix_len for s in decode]
+    suffix_lens = _per_step(
+        metadata, ("suffix_lens", prefix_len, tuple(decode)),
+        lambda: [metadata.seq_lens[s] - prefix_len for s in decode],
+    )
     kernel = load_decode_kernel() if q.device.type == "cpu" else None
     if kernel is not None and kernel.supports(q, k_pages, v_pages):
         table_rows = None if batch == metadata.num_seqs else torch.tensor(decode)
         o, lse = kernel(
             q, k_pages, v_pages, metadata.block_tables, table_rows, prefix_blocks,
-            torch.tensor(suffix_lens), scale, with_lse=True,
+            _per_step(metadata, ("suffix_lens_t", prefix_len, tuple(decode)),
+                      lambda: torch.tensor(suffix_lens)),
+            scale, with_lse=True,
         )
         assert lse is not None
         return o, lse

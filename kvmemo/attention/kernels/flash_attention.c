@@ -56,8 +56,10 @@ static inline __m512 exp512(__m512 x) {
 /* fp32: K tile t as [D][NB] (keys contiguous per dimension); V as [Lpad][D]. Zero padded. */
 static void pack_f32(const float *k, const float *v, int64_t L, int64_t D, int64_t k_sr,
                      int64_t v_sr, int64_t tiles, float *kp, float *vp) {
-    memset(kp, 0, sizeof(float) * tiles * NB * D);
-    memset(vp, 0, sizeof(float) * tiles * NB * D);
+    if (L % NB) { /* the last tile's padding keys: zero scores' inputs and values */
+        memset(kp + (tiles - 1) * NB * D, 0, sizeof(float) * NB * D);
+        memset(vp + L * D, 0, sizeof(float) * (tiles * NB - L) * D);
+    }
     for (int64_t j = 0; j < L; j++) {
         const float *kr = k + j * k_sr;
         float *dst = kp + (j / NB) * NB * D + (j % NB);
@@ -70,16 +72,39 @@ static void pack_f32(const float *k, const float *v, int64_t L, int64_t D, int64
  * [NB/2][D][2] (two consecutive keys' values of one dimension per 32-bit lane). */
 static void pack_bf16(const uint16_t *k, const uint16_t *v, int64_t L, int64_t D, int64_t k_sr,
                       int64_t v_sr, int64_t tiles, uint32_t *kp, uint16_t *vp) {
-    memset(kp, 0, sizeof(uint32_t) * tiles * NB * (D / 2));
-    memset(vp, 0, sizeof(uint16_t) * tiles * NB * D);
+    if (L % NB) {
+        memset(kp + (tiles - 1) * NB * (D / 2), 0, sizeof(uint32_t) * NB * (D / 2));
+        memset(vp + (tiles - 1) * NB * D, 0, sizeof(uint16_t) * NB * D);
+    }
     for (int64_t j = 0; j < L; j++) {
         const uint32_t *kr = (const uint32_t *)(k + j * k_sr);
         uint32_t *dst = kp + (j / NB) * NB * (D / 2) + (j % NB);
         for (int64_t dp = 0; dp < D / 2; dp++) dst[dp * NB] = kr[dp];
+    }
+#if defined(__AVX512BW__)
+    /* V: two consecutive keys' rows interleaved, 32 dimensions at a time. */
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                            1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t j = 0; j < L; j += 2) {
+        const uint16_t *r0 = v + j * v_sr;
+        const uint16_t *r1 = j + 1 < L ? v + (j + 1) * v_sr : NULL;
+        uint16_t *vdst = vp + (j / NB) * NB * D + ((j % NB) / 2) * D * 2;
+        for (int64_t d = 0; d < D; d += 32) {
+            __m512i a = _mm512_loadu_si512(r0 + d);
+            __m512i b = r1 ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vdst + 2 * d, _mm512_permutex2var_epi16(a, lo_idx, b));
+            _mm512_storeu_si512(vdst + 2 * d + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+        }
+    }
+#else
+    for (int64_t j = 0; j < L; j++) {
         const uint16_t *vr = v + j * v_sr;
         uint16_t *vdst = vp + (j / NB) * NB * D + ((j % NB) / 2) * D * 2 + (j % 2);
         for (int64_t d = 0; d < D; d++) vdst[d * 2] = vr[d];
     }
+#endif
 }
 
 /* ---- micro-kernels: S[RB][NB] = Q[RB] . K_tile^T;  O[RB][D] += P[RB][NB] . V_tile ----------- */
@@ -236,13 +261,19 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
     const int64_t tiles = (L + NB - 1) / NB;
     const int64_t esize = dtype == 0 ? 4 : 2;
     const int64_t per_problem = tiles * NB * D; /* elements of one packed K (or V) */
-    char *kbuf = malloc((size_t)(B * H * per_problem * esize));
-    char *vbuf = malloc((size_t)(B * H * per_problem * esize));
-    if (kbuf == NULL || vbuf == NULL) {
-        free(kbuf);
-        free(vbuf);
-        return 1;
+    /* The packed keys and values live in a buffer the calling thread keeps between calls: a
+     * fresh allocation this size is a new mapping whose page faults cost as much as a decode
+     * step's prefix attention. */
+    static __thread char *scratch = NULL;
+    static __thread size_t scratch_bytes = 0;
+    size_t half = (size_t)(B * H * per_problem * esize);
+    if (scratch_bytes < 2 * half) {
+        free(scratch);
+        scratch = malloc(2 * half);
+        scratch_bytes = scratch == NULL ? 0 : 2 * half;
+        if (scratch == NULL) return 1;
     }
+    char *kbuf = scratch, *vbuf = scratch + half;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
@@ -309,8 +340,6 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
                 lse[bh * M + r0 + r] = m[r] + logf(l[r]);
             }
         }
-    free(kbuf);
-    free(vbuf);
     return 0;
 }
 

@@ -73,14 +73,25 @@ class DecoderLayer(nn.Module):
         num_tokens = normed.shape[0]
         qkv = self.qkv(normed)  # [T, (H + 2*KV) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        q, k = self.qk_norm(q, k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.has_qk_norm:
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+            q, k = self.qk_norm(q, k)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        else:
+            # q and k are adjacent columns of qkv: one RoPE pass over both heads' sets (the same
+            # elementwise arithmetic, half the ops per layer; they cost more than their work in
+            # a decode step).
+            heads = self.num_heads + self.num_kv_heads
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         out = attention(layer_idx, q, k, v)  # [T, H, D]
         return self.o(out.reshape(num_tokens, self.q_size))
+
+    has_qk_norm = False  # per-head q/k norms before RoPE (Gemma): then qk_norm applies them
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head norms of q and k before RoPE: none in a Llama (Gemma overrides)."""

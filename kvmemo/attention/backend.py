@@ -15,7 +15,7 @@ import torch
 from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
 from kvmemo.attention.cascade import cascade_attention
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.attention.paged import StepPlan, paged_attention_pages
+from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
 from kvmemo.attention.torch_ref import paged_attention_ref
 from kvmemo.attention.workspace import Workspace
 
@@ -71,6 +71,11 @@ class PagedAttentionBackend:
             out = cascade_attention(
                 q, *kv_cache.logical_caches(layer), metadata,
                 plan.cascade_blocks, self.scale, self.workspace, plan.cascade_first_block,
+            )
+        elif plan.groups:  # groups of sequences share prefixes, the whole batch does not
+            out = grouped_attention(
+                q, kv_cache.k_pages[layer], kv_cache.v_pages[layer], plan, self.scale,
+                self.workspace,
             )
         else:
             out = paged_attention_pages(

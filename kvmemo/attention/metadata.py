@@ -46,6 +46,31 @@ class AttentionMetadata:
     def is_all_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
+    def subset(self, seqs: list[int]) -> AttentionMetadata:
+        """The metadata of sequences `seqs` alone (in that order), their query rows renumbered
+        from 0: attention over a sub-batch whose K/V are already written (slot_mapping is
+        theirs, but attention does not read it)."""
+        query_lens = [self.query_lens[s] for s in seqs]
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        index = torch.tensor(seqs, device=self.block_tables.device)
+        rows = torch.cat([
+            torch.arange(self.query_start_loc[s], self.query_start_loc[s + 1]) for s in seqs
+        ]).to(self.slot_mapping.device)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows],
+            block_tables=self.block_tables[index],
+            query_start_loc=query_start_loc,
+            query_lens=query_lens,
+            seq_lens=[self.seq_lens[s] for s in seqs],
+            block_size=self.block_size,
+            query_lens_t=self.query_lens_t[index],
+            seq_lens_t=self.seq_lens_t[index],
+            num_cache_blocks=self.num_cache_blocks,
+            sliding_window=self.sliding_window,
+        )
+
     @classmethod
     def build(
         cls,

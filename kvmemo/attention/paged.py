@@ -42,6 +42,24 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class CascadeGroup:
+    """Sequences sharing `prefix_blocks` cached leading blocks: one cascade call of their own."""
+
+    rows: torch.Tensor  # [T_g] their query rows in the step's batch
+    metadata: AttentionMetadata  # theirs alone (AttentionMetadata.subset)
+    prefix_blocks: int
+    first_block: int | None  # contiguous_run_start of the shared blocks
+
+
+@dataclass(slots=True)
+class RestOfBatch:
+    """The sequences in no group, planned on their own."""
+
+    rows: torch.Tensor  # [T_r] their query rows in the step's batch
+    plan: StepPlan
+
+
+@dataclass(slots=True)
 class StepPlan:
     """What every layer of one step needs to know about the batch, derived once from metadata."""
 
@@ -61,10 +79,24 @@ class StepPlan:
     # A sliding window hides keys of some decode sequence: decode_valid masks them, and the
     # compiled kernel (which reads every key it is given) is not used.
     decode_windowed: bool = False
+    # No prefix is shared by the whole batch, but groups of sequences share one each (several
+    # system prompts or documents): each group goes through cascade on its own, the rest
+    # through this plan's paged paths (see grouped_plan).
+    groups: list[CascadeGroup] = field(default_factory=list)
+    rest: RestOfBatch | None = None
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, metadata: AttentionMetadata) -> StepPlan:
+        return cls._build(metadata, allow_groups=True)
+
+    @classmethod
+    def build_ungrouped(cls, metadata: AttentionMetadata) -> StepPlan:
+        """A plan without cascade groups (the rest of a grouped batch)."""
+        return cls._build(metadata, allow_groups=False)
+
+    @classmethod
+    def _build(cls, metadata: AttentionMetadata, allow_groups: bool) -> StepPlan:
         block_size = metadata.block_size
         # The window matters only where a sequence holds more keys than it: a query at (local)
         # position p >= window has keys it must not see.
@@ -72,6 +104,10 @@ class StepPlan:
         if window is not None and max(metadata.seq_lens, default=0) <= window:
             window = None
         cascade_blocks = 0 if window is not None else cascade_prefix_blocks(metadata)
+        if allow_groups and not cascade_blocks and window is None and metadata.num_seqs >= 4:
+            grouped = grouped_plan(metadata)
+            if grouped is not None:
+                return grouped
         cascade_first_block = contiguous_run_start(metadata.block_tables[0, :cascade_blocks])
         decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
         rows = block_ids = valid = table_rows = decode_lens = None
@@ -135,6 +171,73 @@ class StepPlan:
         return mask
 
 
+def grouped_plan(metadata: AttentionMetadata) -> StepPlan | None:
+    """A plan of cascade groups, or None when no group of sequences shares a prefix that pays.
+
+    Sequences are grouped by their first block (equal first blocks: the same cached first
+    tokens); a group of at least two whose common cached prefix passes cascade's own test goes
+    through cascade alone.
+    """
+    by_first: dict[int, list[int]] = {}
+    for s, first in enumerate(metadata.block_tables[:, 0].tolist()):
+        if metadata.seq_lens[s] - metadata.query_lens[s] >= metadata.block_size:  # has a cache
+            by_first.setdefault(first, []).append(s)
+    groups: list[CascadeGroup] = []
+    grouped: set[int] = set()
+    for seqs in by_first.values():
+        if len(seqs) < 2:
+            continue
+        sub = metadata.subset(seqs)
+        prefix_blocks = cascade_prefix_blocks(sub)
+        if not prefix_blocks:
+            continue
+        rows = torch.cat([
+            torch.arange(metadata.query_start_loc[s], metadata.query_start_loc[s + 1])
+            for s in seqs
+        ]).to(metadata.slot_mapping.device)
+        first = contiguous_run_start(sub.block_tables[0, :prefix_blocks])
+        groups.append(CascadeGroup(rows, sub, prefix_blocks, first))
+        grouped.update(seqs)
+    if not groups:
+        return None
+    others = [s for s in range(metadata.num_seqs) if s not in grouped]
+    rest = None
+    if others:
+        sub = metadata.subset(others)
+        rows = torch.cat([
+            torch.arange(metadata.query_start_loc[s], metadata.query_start_loc[s + 1])
+            for s in others
+        ]).to(metadata.slot_mapping.device)
+        rest = RestOfBatch(rows, StepPlan.build_ungrouped(sub))
+    return StepPlan(
+        0, None, [], None, None, 0, None, metadata.block_tables, None, None, [],
+        groups=groups, rest=rest,
+    )
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_pages: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_pages: torch.Tensor,
+    plan: StepPlan,
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    """Attention of a batch planned in cascade groups (plan.groups) and the rest."""
+    k_cache, v_cache = k_pages.permute(1, 2, 0, 3), v_pages.permute(1, 2, 0, 3)  # logical views
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        out[group.rows] = cascade_attention(
+            q.index_select(0, group.rows), k_cache, v_cache, group.metadata, group.prefix_blocks,
+            scale, workspace, group.first_block,
+        ).to(q.dtype)
+    if plan.rest is not None:
+        out[plan.rest.rows] = paged_attention_pages(
+            q.index_select(0, plan.rest.rows), k_pages, v_pages, plan.rest.plan, scale, workspace
+        )
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # logical [num_blocks, block_size, Hkv, D], unscaled values
@@ -155,6 +258,8 @@ def paged_attention(
             plan.cascade_first_block,
         )
     k_pages, v_pages = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)  # head-major views
+    if plan.groups:
+        return grouped_attention(q, k_pages, v_pages, plan, scale, workspace or Workspace())
     return paged_attention_pages(q, k_pages, v_pages, plan, scale, workspace or Workspace())
 
 

@@ -342,3 +342,54 @@ def test_fused_and_explicit_lse_attention_agree():
         o_math, lse_math = attention_with_lse_math(q, k, v, mask, 0.25)
         torch.testing.assert_close(o_fused, o_math, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse_fused, lse_math, atol=1e-5, rtol=1e-5)
+
+
+def _two_prefix_batch(rng: random.Random, block_size: int, group: int, new: list[int]):
+    """Sequences 0-2 share one cached prefix, 3-5 another, 6 and 7 share nothing: the whole
+    batch has no common prefix, groups of it do. Returns q, caches, metadata."""
+    num_blocks = 80
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    prefix_a = [ids.pop() for _ in range(3)]
+    prefix_b = [ids.pop() for _ in range(2)]
+    computed, tables = [], []
+    for s in range(8):
+        shared = prefix_a if s < 3 else prefix_b if s < 6 else []
+        c = len(shared) * block_size + rng.randint(0, 2 * block_size)
+        total_blocks = -(-(c + new[s]) // block_size)
+        tables.append(shared + [ids.pop() for _ in range(total_blocks - len(shared))])
+        computed.append(c)
+    cache = PagedKVCache.allocate(
+        num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM, dtype=torch.float32, device="cpu",
+    )
+    k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
+    k_cache.normal_()  # every page random: shared blocks are shared by their ids alone
+    v_cache.normal_()
+    md = AttentionMetadata.build(
+        block_tables=tables, num_computed_tokens=computed, query_lens=new,
+        block_size=block_size, num_cache_blocks=num_blocks,
+    )
+    q = torch.randn(md.num_tokens, NUM_KV_HEADS * group, HEAD_DIM)
+    return q, k_cache, v_cache, md
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_groups_sharing_different_prefixes_each_go_through_cascade(any_prefix, group, block_size):
+    """Two system prompts in one batch (and two sequences with neither): no prefix is common to
+    all, so each group is a cascade of its own and the rest takes the paged path; equal to the
+    reference for decodes, prefill chunks and a mix."""
+    from kvmemo.attention.paged import StepPlan
+
+    for seed, new in enumerate(([1] * 8, [5, 1, 9, 1, 1, 17, 3, 1], [4, 6, 2, 7, 3, 5, 9, 2])):
+        rng = random.Random(seed * 100 + group + block_size)
+        torch.manual_seed(seed)
+        q, k_cache, v_cache, md = _two_prefix_batch(rng, block_size, group, new)
+        assert cascade_prefix_blocks(md) == 0
+        plan = StepPlan.build(md)
+        assert sorted(g.prefix_blocks for g in plan.groups) == [2, 3]
+        assert plan.rest is not None and plan.rest.rows.numel() == new[6] + new[7]
+        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        got = paged_attention(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

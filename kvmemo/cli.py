@@ -290,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPUs Ray reserves for each replica; its torch threads (default: 1)",
     )
     ray_serve.add_argument(
+        "--replica-gpus", type=float, default=0.0,
+        help="GPUs Ray reserves for each replica; give 1 with --device cuda (default: 0)",
+    )
+    ray_serve.add_argument(
         "--max-ongoing-requests", type=int, default=64,
         help="requests one replica takes at once before Ray queues them (default: 64)",
     )
@@ -507,6 +511,7 @@ def _cmd_ray_serve(args: argparse.Namespace) -> int:
         num_replicas=args.num_replicas,
         autoscaling=autoscaling,
         replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus,
         max_ongoing_requests=args.max_ongoing_requests,
         router=args.router,
         served_model_name=args.served_model_name,

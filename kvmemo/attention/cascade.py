@@ -16,6 +16,7 @@ torch_ref.paged_attention_ref to float tolerance.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +37,10 @@ MIN_PREFIX_TOKENS = 128
 MIN_SAVED_TOKENS = 768  # (num_seqs - 1) * prefix_len: prefix K/V rows no longer gathered
 
 
-class _LastStep:
+class _LastStep(threading.local):
     """Values every layer's call of one step would otherwise rebuild from the same metadata
-    (decode rows, suffix lengths): kept for the latest metadata object, one per step."""
+    (decode rows, suffix lengths): kept for the latest metadata object, one per step, per
+    thread (two engines stepping on two threads keep their own)."""
 
     def __init__(self) -> None:
         self.metadata: AttentionMetadata | None = None

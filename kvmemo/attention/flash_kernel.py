@@ -4,8 +4,9 @@ the output and the fp32 log-sum-exp.
 
 Invariant: `flash_attention(...)` returns (o, lse) equal to softmax attention within float
 tolerance, or None when the kernel cannot run the call (no compiler, no AVX-512, bf16 without
-AVX512_BF16, head_dim not a multiple of 64, KVMEMO_CPU_KERNEL=0 or KVMEMO_FLASH_KERNEL=0); the
-caller then uses torch's flash kernel, which computes the same values.
+AVX512_BF16, head_dim not a multiple of 64 or above 512, KVMEMO_CPU_KERNEL=0 or
+KVMEMO_FLASH_KERNEL=0); the caller then uses torch's flash kernel, which computes the same
+values.
 """
 
 from __future__ import annotations

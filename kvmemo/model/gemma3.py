@@ -28,8 +28,6 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    has_qk_norm = True
-
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
 

@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(normed)  # [T, (H + 2*KV) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        if self.has_qk_norm:
+        if type(self).qk_norm is not DecoderLayer.qk_norm:  # per-head norms first (Gemma)
             q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
             q, k = self.qk_norm(q, k)
@@ -90,8 +90,6 @@ class DecoderLayer(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         out = attention(layer_idx, q, k, v)  # [T, H, D]
         return self.o(out.reshape(num_tokens, self.q_size))
-
-    has_qk_norm = False  # per-head q/k norms before RoPE (Gemma): then qk_norm applies them
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head norms of q and k before RoPE: none in a Llama (Gemma overrides)."""

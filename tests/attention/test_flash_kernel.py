@@ -76,3 +76,17 @@ def test_calls_it_cannot_run_fall_back_to_torch(monkeypatch):
     o_ref, lse_ref = attention_with_lse_math(q, k, v, valid, 0.2)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_limits_outside_the_keys_are_clamped_to_them():
+    """A last key below 0 reads as key 0 (never a row with nothing to attend to, which would be
+    NaN); one beyond the keys as the last key."""
+    if not _kernel_runs(torch.float32):
+        pytest.skip("the flash kernel does not run on this CPU (needs AVX-512)")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (3, 10, 10))
+    o, lse = flash_attention(q, k, v, torch.tensor([-3, 99, 4]), 0.5)
+    o_ref, lse_ref = flash_attention(q, k, v, torch.tensor([0, 9, 4]), 0.5)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o, o_ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_ref, atol=0, rtol=0)

@@ -9,7 +9,7 @@
  *
  * Layout: problem (b, h) has rows q[b, h, 0:M, 0:D] and keys/values [b, h, 0:L, 0:D], each row's
  * D values contiguous (strides in elements). Row r of batch b sees keys j <= limits[b * lim_sb +
- * r] (all L keys when limits is NULL); every row must see at least key 0. Outputs: out[b, h, r,
+ * r] (all L keys when limits is NULL; a limit below 0 counts as 0, above L - 1 as L - 1). Outputs: out[b, h, r,
  * :] fp32 (softmax(q k^T * scale) v) and lse[b, h, r] = log sum_j exp(q.k_j * scale), both
  * contiguous.
  *
@@ -30,6 +30,7 @@
 
 #define NB 64 /* keys per tile */
 #define RB 6  /* query rows per block: 6 x 4 accumulators + 4 loads + 1 broadcast <= 32 zmm */
+#define SCRATCH_CAP ((size_t)64 << 20) /* packed K/V kept per thread between calls, at most */
 
 static inline __m512 exp512(__m512 x) {
     /* Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial, times 2^n. */
@@ -267,13 +268,17 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
     static __thread char *scratch = NULL;
     static __thread size_t scratch_bytes = 0;
     size_t half = (size_t)(B * H * per_problem * esize);
-    if (scratch_bytes < 2 * half) {
+    char *own = NULL; /* a call above the kept size's cap allocates for itself */
+    if (2 * half > SCRATCH_CAP) {
+        own = malloc(2 * half);
+        if (own == NULL) return 1;
+    } else if (scratch_bytes < 2 * half) {
         free(scratch);
         scratch = malloc(2 * half);
         scratch_bytes = scratch == NULL ? 0 : 2 * half;
         if (scratch == NULL) return 1;
     }
-    char *kbuf = scratch, *vbuf = scratch + half;
+    char *kbuf = own ? own : scratch, *vbuf = kbuf + half;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
@@ -301,6 +306,7 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
                 int64_t row = r0 + r < M ? r0 + r : M - 1; /* padding rows repeat the last */
                 int64_t lim = limits ? limits[b * lim_sb + row] : L - 1;
                 lim = lim < L - 1 ? lim : L - 1;
+                lim = lim > 0 ? lim : 0; /* every row sees key 0 at least (never a 0/0 row) */
                 limit[r] = r0 + r < M ? lim : -1;
                 if (limit[r] > max_limit) max_limit = limit[r];
                 rows[r] = (const char *)q + (b * q_sb + h * q_sh + row * q_sr) * esize;
@@ -340,6 +346,7 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
                 lse[bh * M + r0 + r] = m[r] + logf(l[r]);
             }
         }
+    free(own);
     return 0;
 }
 

@@ -69,6 +69,7 @@ def build_app(
     num_replicas: int = 2,
     autoscaling: Autoscaling | None = None,
     replica_cpus: float = 1,
+    replica_gpus: float = 0,
     max_ongoing_requests: int = 64,
     router: str = "kvmemo",
     router_kwargs: dict[str, Any] | None = None,
@@ -89,8 +90,11 @@ def build_app(
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if replica_cpus <= 0:
         raise ValueError(f"replica_cpus must be > 0, got {replica_cpus}")
+    if replica_gpus < 0:
+        raise ValueError(f"replica_gpus must be >= 0, got {replica_gpus}")
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": replica_cpus},
+        # Ray hides every GPU from an actor that reserved none (CUDA_VISIBLE_DEVICES="").
+        "ray_actor_options": {"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         "max_ongoing_requests": max_ongoing_requests,
         "health_check_period_s": 2.0,
     }

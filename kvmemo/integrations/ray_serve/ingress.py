@@ -10,6 +10,7 @@ replica, up to `max_attempts` times. Once bytes went out, a death ends the strea
 """
 
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,7 +96,9 @@ class KvmemoIngress:
                 BlockHash(bytes.fromhex(info["namespace_root"])), info["block_size"],
                 info["hash_algorithm"],
             )
-        return tuple(bytes(h) for h in self._hasher.block_hashes(call.path, body))
+        # Tokenizing a long prompt takes milliseconds: off the loop every stream shares.
+        hashes = await asyncio.to_thread(self._hasher.block_hashes, call.path, body)
+        return tuple(bytes(h) for h in hashes)
 
     async def _send(self, call: HTTPCall) -> Response:
         for attempt in range(1, self._max_attempts + 1):
@@ -108,6 +111,9 @@ class KvmemoIngress:
                 logger.warning("replica lost before the response started (attempt %d of %d): %s",
                                attempt, self._max_attempts, exc)
                 continue
+            except BaseException:  # the client went away meanwhile (cancelled): stop the replica
+                stream.cancel()
+                raise
             headers = {k: v for k, v in start["headers"] if k.lower() not in _DROPPED_HEADERS}
             return StreamingResponse(
                 _rest(first, stream), status_code=start["status"], headers=headers,

@@ -69,7 +69,10 @@ class KvmemoReplica:
 
         self._seq += 1
         batch = EventBatch(self._epoch, self._seq, time.time(), tuple(events))
-        self._index.apply.remote(self.replica_id, encode_batch(batch))
+        try:
+            self._index.apply.remote(self.replica_id, encode_batch(batch))
+        except Exception as exc:  # routing loses precision; serving must not stop
+            logger.warning("KV events batch %d not sent to the index: %r", self._seq, exc)
 
     async def handle(self, call: HTTPCall) -> AsyncIterator[dict[str, Any] | bytes]:
         """The response to one HTTP request: {"status", "headers"}, then body chunks."""
@@ -94,3 +97,9 @@ class KvmemoReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        index = getattr(self, "_index", None)
+        if index is not None:  # scaled down or redeployed: its blocks attract no more prompts
+            try:
+                index.drop.remote(self.replica_id)
+            except Exception:  # Ray shutting down
+                pass

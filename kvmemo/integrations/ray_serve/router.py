@@ -13,6 +13,7 @@ least loaded candidate.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -26,6 +27,8 @@ from kvmemo.integrations.ray_serve.kv_index import get_kv_index
 from kvmemo.server.routing import Candidate, RoutingPolicy
 
 logger = logging.getLogger(__name__)
+
+INDEX_TIMEOUT_S = 0.5  # a routing decision waits no longer for the KV index
 
 
 class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
@@ -50,9 +53,11 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
         if hashes:
             ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
             try:
-                matched = await self._index.matched_blocks.remote(hashes, ids)
-            except Exception as exc:  # the index restarts: route by load meanwhile
-                logger.warning("kvmemo KV index unavailable (%s); routing by load", exc)
+                matched = await asyncio.wait_for(
+                    self._index.matched_blocks.remote(hashes, ids), INDEX_TIMEOUT_S
+                )
+            except Exception as exc:  # the index restarts or lags: route by load meanwhile
+                logger.warning("kvmemo KV index unavailable (%r); routing by load", exc)
         candidates = [
             Candidate(i, matched[i], len(self._in_flight.get(r.replica_id, ())))
             for i, r in enumerate(candidate_replicas)

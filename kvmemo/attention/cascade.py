@@ -16,10 +16,6 @@ torch_ref.paged_attention_ref to float tolerance.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from kvmemo.attention.cache import gather_pages
@@ -35,26 +31,6 @@ from kvmemo.attention.workspace import Workspace
 # so tests can lower them.
 MIN_PREFIX_TOKENS = 128
 MIN_SAVED_TOKENS = 768  # (num_seqs - 1) * prefix_len: prefix K/V rows no longer gathered
-
-
-class _LastStep(threading.local):
-    """Values every layer's call of one step would otherwise rebuild from the same metadata
-    (decode rows, suffix lengths): kept for the latest metadata object, one per step, per
-    thread (two engines stepping on two threads keep their own)."""
-
-    def __init__(self) -> None:
-        self.metadata: AttentionMetadata | None = None
-        self.values: dict[object, Any] = {}
-
-    def get(self, metadata: AttentionMetadata, key: object, build: Callable[[], Any]) -> Any:
-        if metadata is not self.metadata:
-            self.metadata, self.values = metadata, {}
-        if key not in self.values:
-            self.values[key] = build()
-        return self.values[key]
-
-
-_per_step = _LastStep().get
 
 
 def common_prefix_blocks(block_tables: torch.Tensor, max_blocks: int) -> int:
@@ -179,9 +155,7 @@ def _suffix_attention(
     Returns o [T, Hq, D], lse [T, Hq].
     """
     num_tokens, num_heads, _ = q.shape
-    decode = _per_step(
-        metadata, "decode", lambda: [s for s, n in enumerate(metadata.query_lens) if n == 1]
-    )
+    decode = [s for s, n in enumerate(metadata.query_lens) if n == 1]
     if len(decode) == metadata.num_seqs:
         return _batched_decode_suffix(
             q, k_pages, v_pages, metadata, decode, prefix_blocks, scale, workspace
@@ -233,18 +207,13 @@ def _batched_decode_suffix(
     batch, num_heads = q.shape[0], q.shape[1]
     group = num_heads // num_kv_heads
     prefix_len = prefix_blocks * block_size
-    suffix_lens = _per_step(
-        metadata, ("suffix_lens", prefix_len, tuple(decode)),
-        lambda: [metadata.seq_lens[s] - prefix_len for s in decode],
-    )
+    suffix_lens = [metadata.seq_lens[s] - prefix_len for s in decode]
     kernel = load_decode_kernel() if q.device.type == "cpu" else None
     if kernel is not None and kernel.supports(q, k_pages, v_pages):
         table_rows = None if batch == metadata.num_seqs else torch.tensor(decode)
         o, lse = kernel(
             q, k_pages, v_pages, metadata.block_tables, table_rows, prefix_blocks,
-            _per_step(metadata, ("suffix_lens_t", prefix_len, tuple(decode)),
-                      lambda: torch.tensor(suffix_lens)),
-            scale, with_lse=True,
+            torch.tensor(suffix_lens), scale, with_lse=True,
         )
         assert lse is not None
         return o, lse
@@ -332,19 +301,32 @@ def _prefill_suffix(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [Lq, Hq, D]; k, v: [Hkv, Ls, D], the last Lq keys being the queries' own. Causal."""
-    query_len, num_heads, head_dim = q.shape
+    query_len, num_heads, _ = q.shape
     num_kv_heads, suffix_len = k.shape[0], k.shape[1]
-    group = num_heads // num_kv_heads
-    # [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
-    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
     q_pos = torch.arange(suffix_len - query_len, suffix_len, device=q.device)  # causal
     o, lse = attention_with_lse_upto(
-        qg, k[None], v[None], q_pos.repeat(group), scale
+        fold_query_groups(q, num_kv_heads), k[None], v[None],
+        q_pos.repeat(num_heads // num_kv_heads), scale,
     )  # [1, Hkv, G * Lq, D], [1, Hkv, G * Lq]
+    lse = lse.view(num_kv_heads, -1, query_len).permute(2, 0, 1)
+    return unfold_query_groups(o, query_len), lse.reshape(query_len, num_heads)
+
+
+def fold_query_groups(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[Lq, Hq, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g, so each
+    kv head's keys are read once for its G query heads."""
+    query_len, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    return qg.reshape(1, num_kv_heads, group * query_len, head_dim)
+
+
+def unfold_query_groups(o: torch.Tensor, query_len: int) -> torch.Tensor:
+    """fold_query_groups' inverse: [1, Hkv, G * Lq, D] -> [Lq, Hq, D]."""
+    _, num_kv_heads, rows, head_dim = o.shape
+    group = rows // query_len
     o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
-    lse = lse.view(num_kv_heads, group, query_len).permute(2, 0, 1)
-    return o.reshape(query_len, num_heads, head_dim), lse.reshape(query_len, num_heads)
+    return o.reshape(query_len, num_kv_heads * group, head_dim)
 
 
 def attention_with_lse_upto(

@@ -46,6 +46,12 @@ class AttentionMetadata:
     def is_all_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
+    def query_rows(self, seqs: list[int]) -> torch.Tensor:
+        """The step-batch rows of sequences `seqs`' queries, in that order."""
+        return torch.cat([
+            torch.arange(self.query_start_loc[s], self.query_start_loc[s + 1]) for s in seqs
+        ]).to(self.slot_mapping.device)
+
     def subset(self, seqs: list[int]) -> AttentionMetadata:
         """The metadata of sequences `seqs` alone (in that order), their query rows renumbered
         from 0: attention over a sub-batch whose K/V are already written (slot_mapping is
@@ -55,11 +61,8 @@ class AttentionMetadata:
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
         index = torch.tensor(seqs, device=self.block_tables.device)
-        rows = torch.cat([
-            torch.arange(self.query_start_loc[s], self.query_start_loc[s + 1]) for s in seqs
-        ]).to(self.slot_mapping.device)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[rows],
+            slot_mapping=self.slot_mapping[self.query_rows(seqs)],
             block_tables=self.block_tables[index],
             query_start_loc=query_start_loc,
             query_lens=query_lens,

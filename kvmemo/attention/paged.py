@@ -22,7 +22,9 @@ from kvmemo.attention.cascade import (
     cascade_attention,
     cascade_prefix_blocks,
     contiguous_run_start,
+    fold_query_groups,
     merge_attention_states,
+    unfold_query_groups,
 )
 from kvmemo.attention.cpu_kernel import load_decode_kernel
 from kvmemo.attention.flash_kernel import flash_attention
@@ -191,27 +193,21 @@ def grouped_plan(metadata: AttentionMetadata) -> StepPlan | None:
         prefix_blocks = cascade_prefix_blocks(sub)
         if not prefix_blocks:
             continue
-        rows = torch.cat([
-            torch.arange(metadata.query_start_loc[s], metadata.query_start_loc[s + 1])
-            for s in seqs
-        ]).to(metadata.slot_mapping.device)
         first = contiguous_run_start(sub.block_tables[0, :prefix_blocks])
-        groups.append(CascadeGroup(rows, sub, prefix_blocks, first))
+        groups.append(CascadeGroup(metadata.query_rows(seqs), sub, prefix_blocks, first))
         grouped.update(seqs)
     if not groups:
         return None
     others = [s for s in range(metadata.num_seqs) if s not in grouped]
     rest = None
     if others:
-        sub = metadata.subset(others)
-        rows = torch.cat([
-            torch.arange(metadata.query_start_loc[s], metadata.query_start_loc[s + 1])
-            for s in others
-        ]).to(metadata.slot_mapping.device)
-        rest = RestOfBatch(rows, StepPlan.build_ungrouped(sub))
+        plan = StepPlan.build_ungrouped(metadata.subset(others))
+        rest = RestOfBatch(metadata.query_rows(others), plan)
     return StepPlan(
-        0, None, [], None, None, 0, None, metadata.block_tables, None, None, [],
-        groups=groups, rest=rest,
+        cascade_blocks=0, cascade_first_block=None, decode_seqs=[], decode_rows=None,
+        decode_block_ids=None, decode_num_blocks=0, decode_valid=None,
+        block_tables=metadata.block_tables, decode_table_rows=None, decode_seq_lens=None,
+        prefills=[], groups=groups, rest=rest,
     )
 
 
@@ -343,24 +339,20 @@ def prefill_attention(
     new keys with is_causal (which skips the upper triangle): no [Lq, Lk] mask is built and K/V
     heads are shared through the kernel's native grouped-query support. Elsewhere: one masked SDPA.
     """
-    query_len, num_heads, head_dim = q.shape
+    query_len, num_heads, _ = q.shape
     num_cached = seq_len - query_len
     # [1, Hkv, Lk, D]
     k = gather_pages(k_pages, block_ids, q.dtype, "prefill_k", workspace)[None, :, :seq_len]
     v = gather_pages(v_pages, block_ids, q.dtype, "prefill_v", workspace)[None, :, :seq_len]
     if q.device.type != "cpu" or window is not None:
         return _masked_prefill(q, k, v, num_cached, scale, window)
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    # kvmemo's kernel: [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D], row g * Lq + i sees keys up to
-    # num_cached + i, cached and new keys in one pass.
-    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
-    last_key = torch.arange(num_cached, seq_len).repeat(group)
+    # kvmemo's kernel: grouped row g * Lq + i sees keys up to num_cached + i, cached and new
+    # keys in one pass.
+    qg = fold_query_groups(q, k.shape[1])
+    last_key = torch.arange(num_cached, seq_len).repeat(num_heads // k.shape[1])
     result = flash_attention(qg, k, v, last_key, scale)
     if result is not None:
-        o = result[0].view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
-        return o.reshape(query_len, num_heads, head_dim).to(q.dtype)
+        return unfold_query_groups(result[0], query_len).to(q.dtype)
     q4 = q.transpose(0, 1)[None]  # [1, Hq, Lq, D]
     o_new, lse_new = _flash_cpu(q4, k[:, :, num_cached:], v[:, :, num_cached:], True, scale)
     if num_cached == 0:
@@ -389,17 +381,14 @@ def _masked_prefill(
     window: int | None = None,
 ) -> torch.Tensor:
     """One SDPA with grouped-query heads folded into query rows and a bottom-right causal mask."""
-    query_len, num_heads, head_dim = q.shape
+    query_len, num_heads, _ = q.shape
     num_kv_heads, seq_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    # [Lq, Hkv, G, D] -> [1, Hkv, G * Lq, D]: row g * Lq + i is query i of head h * G + g.
-    qg = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(1, num_kv_heads, group * query_len, head_dim)
+    qg = fold_query_groups(q, num_kv_heads)
     q_pos = torch.arange(num_cached, seq_len, device=q.device)
     key_pos = torch.arange(seq_len, device=q.device)[None, :]
     valid = key_pos <= q_pos[:, None]  # [Lq, Lk]
     if window is not None:
         valid &= key_pos > q_pos[:, None] - window
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.repeat(group, 1), scale=scale)
-    o = o.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)  # [Lq, Hkv, G, D]
-    return o.reshape(query_len, num_heads, head_dim)
+    return unfold_query_groups(o, query_len)

@@ -39,7 +39,6 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
         deployment = self._deployment_id
         self._index = get_kv_index(deployment.app_name, deployment.name)
         self._in_flight: dict[ReplicaID, set[str]] = {}
-        self.num_routed = {"prefix": 0, "cold": 0, "balance": 0}
 
     async def choose_replicas(
         self,
@@ -63,7 +62,6 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
             for i, r in enumerate(candidate_replicas)
         ]
         decision = self._policy.choose(candidates)
-        self.num_routed[decision.reason] = self.num_routed.get(decision.reason, 0) + 1
         first = candidate_replicas[decision.index]
         rest = sorted(
             (r for r in candidate_replicas if r is not first),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemo.connector.spec import parse_kv_stores
+from kvmemo.intake.segments import KV_REUSE_MODES
 from kvmemo.units import parse_size_bytes
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
@@ -50,6 +51,18 @@ class EngineConfig:
     encoder_cache_memory: str | int = "256MiB"  # image features by content hash (LLaVA models)
     # A Jinja chat template (its text) replacing the model's own, as vLLM's --chat-template
     chat_template: str | None = None
+    # Segmented prompts (context, chunks, question): "prefix" reuses exact prefixes only;
+    # "blend" reuses each chunk's KV wherever it appears, recomputing a share of its tokens
+    # (approximate; a request's kv_reuse overrides this). See docs/blending.md.
+    kv_reuse: str = "prefix"
+    blend_recompute_ratio: float = 0.15  # share of the reused tokens recomputed
+    blend_check_layer: int = 1  # layer whose K/V deviation picks the tokens to recompute
+    # Below this share of chunk tokens cached, a blend request runs as an exact prefill and its
+    # chunks are computed after it (a blend would recompute more than it saves).
+    blend_min_reuse: float = 0.5
+    # LMCache's convention: a text prompt holding this string is split at it into segments
+    # (the separator removed), e.g. " # # "; None: prompts are not split
+    blend_separator: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, MODEL_DTYPES)
@@ -68,6 +81,25 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
+        _one_of("kv_reuse", self.kv_reuse, KV_REUSE_MODES)
+        for name in ("blend_recompute_ratio", "blend_min_reuse"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0.0 <= value <= 1.0
+            ):
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if self.blend_separator is not None and (
+            not isinstance(self.blend_separator, str) or not self.blend_separator
+        ):
+            raise ValueError(
+                f"blend_separator must be a non-empty string or None, got {self.blend_separator!r}"
+            )
+        if isinstance(self.blend_check_layer, bool) or not isinstance(
+            self.blend_check_layer, int
+        ) or self.blend_check_layer < 0:
+            raise ValueError(
+                f"blend_check_layer must be an integer >= 0, got {self.blend_check_layer!r}"
+            )
         if self.kv_store is not None:
             if isinstance(self.kv_store, list):
                 # Frozen and hashable: tiers are a tuple. from_kwargs converts a list for callers.

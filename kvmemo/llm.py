@@ -64,6 +64,9 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         chat_options: ChatOptions | None = None,
+        documents: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        kv_reuse: str | None = None,
+        recompute_ratio: float | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {'role', 'content'} dicts) or a list of them.
 
@@ -75,6 +78,10 @@ class LLM:
         does (docs/server.md, "Tool calling"); assistant turns may carry `tool_calls` and `tool`
         turns a `tool_call_id`. A reply that calls tools has CompletionOutput.tool_calls (OpenAI
         form) and finish_reason "tool_calls". chat_options: the template and its options.
+
+        documents: retrieved texts placed at the end of the system message, each a segment
+        (one list for every conversation, or one list per conversation); with
+        kv_reuse="blend" each document's KV is reused wherever it appears (docs/blending.md).
         """
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             messages = [messages]
@@ -82,6 +89,15 @@ class LLM:
         params = _per_prompt_params(sampling_params, len(conversations))
         template = self.processor.template_for(chat_options)
         prompts, tool_prompts = [], []
+        per_conversation = (
+            documents is not None and len(documents) > 0
+            and all(isinstance(d, (list, tuple)) for d in documents)
+        )
+        if per_conversation and len(documents or ()) != len(conversations):
+            raise ValueError(
+                f"documents has {len(documents or ())} lists for {len(conversations)} "
+                "conversations; give one list per conversation, or one list for all"
+            )
         for i, conversation in enumerate(conversations):
             tool_prompt = tools_for_request(
                 conversation, tools, tool_choice,
@@ -97,8 +113,12 @@ class LLM:
                     params[i] = dataclasses.replace(
                         params[i], structured_outputs=tool_prompt.constraint
                     )
+            docs = documents[i] if per_conversation and documents is not None else documents
             prompts.append(
-                self.processor.process_chat(conversation, options, cache_salt=cache_salt)
+                self.processor.process_chat(
+                    conversation, options, cache_salt=cache_salt, documents=docs,
+                    kv_reuse=kv_reuse, recompute_ratio=recompute_ratio,
+                )
             )
             tool_prompts.append(tool_prompt)
         outputs = self._run(prompts, params, use_tqdm, cache_salt)

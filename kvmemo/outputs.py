@@ -38,6 +38,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # A segmented prompt run with kv_reuse="blend" (None otherwise): prompt tokens whose KV
+    # came from cached chunks as is, and prompt tokens computed (the rest were prefix hits).
+    num_blended_tokens: int | None = None
+    num_recomputed_tokens: int | None = None
 
     @property
     def ttft_s(self) -> float | None:

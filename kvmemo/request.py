@@ -49,6 +49,24 @@ def overlapping_items(items: Sequence[MultiModalItem], start: int, end: int) -> 
     return range(first, last)
 
 
+@dataclass(slots=True, eq=False)
+class BlendSpec:
+    """How a segmented prompt reuses chunk KV (see kvmemo/engine/blend_driver.py).
+
+    Segment 0 is the context every chunk is computed after; the last is the question, always
+    recomputed; each segment between is a chunk whose KV comes from chunk_requests.
+    """
+
+    context_len: int  # tokens of segment 0: where chunk KV was computed from
+    chunk_ranges: list[tuple[int, int]]  # [start, end) of each chunk segment in the prompt
+    chunk_requests: list[Request]  # the chunk sequence of each range (context + chunk tokens)
+    recompute_ratio: float  # share of the reused tokens recomputed (the most deviating)
+    check_layer: int  # layer whose K/V deviation picks them
+    # Filled by the step that blends: tokens whose KV was reused as is, and recomputed.
+    num_reused_tokens: int = 0
+    num_recomputed_tokens: int = 0
+
+
 class RequestStatus(enum.IntEnum):
     """Finished states compare greater than PREEMPTED, so `status > PREEMPTED` means finished."""
 
@@ -108,6 +126,13 @@ class Request:
     # The structured-output Constraint its tokens must follow (kvmemo.structured.grammar), or
     # None; opaque here. The engine advances it past every token the request takes.
     constraint: Any = None
+    # (token index, name): the block holding that token, and so every block after it in the
+    # chain, is hashed with ("reuse", name) among its extra keys. A chunk's KV ("chunk") and a
+    # blended prompt's ("blend/...") thereby never serve an exact-prefix lookup, while the
+    # blocks before stay shared with exact requests.
+    kv_marker: tuple[int, str] | None = None
+    # A blended prompt's plan (BlendSpec), set by the engine's blend driver; None otherwise.
+    blend: BlendSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -95,6 +95,11 @@ class KVConnector(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int: ...
 
+    def count_stored_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens of the store's consecutive full blocks after the device hit, checked by
+        existence only (no payload read, no match recorded): a cheap estimate of a later hit."""
+        return 0
+
     @abstractmethod
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[BlockIds], num_external_tokens: int

@@ -108,6 +108,17 @@ class StoreKVConnector(KVConnector):
         self._load_s += time.perf_counter() - start
         return len(loads) * size
 
+    def count_stored_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        size = self.block_size
+        first = num_computed_tokens // size
+        last = (len(request.all_token_ids) - 1) // size  # the last token is always computed
+        count = 0
+        for block_hash in request.block_hashes[first:last]:
+            if not self.store.contains(block_hash):
+                break
+            count += 1
+        return count * size
+
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[BlockIds], num_external_tokens: int
     ) -> None:

@@ -61,6 +61,12 @@ class _Add:
     truncate_prompt_tokens: int | None  # keep only the prompt's last this many tokens
     stream: RequestStream
     done: asyncio.Future
+    # A segmented prompt (instead of prompt / messages), or documents beside messages, and
+    # how they reuse KV (kvmemo/intake/segments.py)
+    segments: list[Any] | None = None
+    documents: list[str] | None = None
+    kv_reuse: str | None = None
+    recompute_ratio: float | None = None
 
 
 @dataclass
@@ -175,6 +181,10 @@ class AsyncEngine:
         chat_options: ChatOptions | None = None,
         add_special_tokens: bool = True,
         truncate_prompt_tokens: int | None = None,
+        segments: list[Any] | None = None,
+        documents: list[str] | None = None,
+        kv_reuse: str | None = None,
+        recompute_ratio: float | None = None,
     ) -> RequestStream:
         """Queue one request of params.n sequences; returns once the engine accepted it.
 
@@ -182,10 +192,11 @@ class AsyncEngine:
         EngineDeadError. Exactly one of prompt and messages must be given. echo: the stream's
         prompt_text holds the prompt as text (decoded, for a token-id prompt). chat_options
         render messages; add_special_tokens applies to a text prompt; truncate_prompt_tokens
-        keeps the prompt's last that many tokens.
+        keeps the prompt's last that many tokens. segments: a segmented prompt instead;
+        documents: for messages; kv_reuse and recompute_ratio: for either (segments.py).
         """
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+        if sum(x is not None for x in (prompt, messages, segments)) != 1:
+            raise ValueError("give exactly one of prompt, messages and segments")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, params.n, loop)
@@ -194,6 +205,7 @@ class AsyncEngine:
             _Add(
                 request_id, prompt, messages, params, cache_salt, fill_context, echo,
                 chat_options, add_special_tokens, truncate_prompt_tokens, stream, done,
+                segments, documents, kv_reuse, recompute_ratio,
             )
         )
         try:
@@ -320,12 +332,19 @@ class AsyncEngine:
         processor = self.engine.processor
         if command.messages is not None:
             prompt = processor.process_chat(
-                command.messages, command.chat_options, cache_salt=command.cache_salt
+                command.messages, command.chat_options, cache_salt=command.cache_salt,
+                documents=command.documents, kv_reuse=command.kv_reuse,
+                recompute_ratio=command.recompute_ratio,
+            )
+        elif command.segments is not None:
+            prompt = processor.process_segments(
+                command.segments, command.kv_reuse, command.recompute_ratio
             )
         else:
             assert command.prompt is not None  # add_request takes exactly one of the two
             prompt = processor.process(
-                command.prompt, add_special_tokens=command.add_special_tokens
+                command.prompt, add_special_tokens=command.add_special_tokens,
+                kv_reuse=command.kv_reuse, recompute_ratio=command.recompute_ratio,
             )
         if command.truncate_prompt_tokens is not None:
             prompt = processor.truncate(prompt, command.truncate_prompt_tokens)

@@ -21,6 +21,7 @@ import torch
 from kvmemo.config import EngineConfig
 from kvmemo.engine.beam_driver import BeamSearchDriver
 from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
+from kvmemo.engine.blend_driver import BlendDriver, BlendSettings, check_blend_supported
 from kvmemo.engine.cpu_malloc import keep_freed_memory, return_freed_memory
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.encoder_cache import EncoderCache
@@ -67,6 +68,7 @@ class _Tracked:
     beam_search: BeamSearch | None = None
     # Per prompt token (the first has none), when prompt logprobs were asked for.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    blended: bool = False  # a segmented prompt run with kv_reuse="blend"
 
 
 class Engine:
@@ -94,7 +96,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.processor = InputProcessor(
             loaded.tokenizer, arch.vocab_size, config.chat_template or loaded.chat_template,
-            loaded.image_input,
+            loaded.image_input, blend_separator=config.blend_separator,
         )
         self.max_model_len = min(
             config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
@@ -126,6 +128,14 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             vocab_size=arch.vocab_size,
             max_model_len=self.max_model_len,
+        )
+        self.blends = BlendDriver(
+            self.scheduler,
+            self.kv_manager,
+            self.kv_connector,
+            BlendSettings(
+                config.blend_recompute_ratio, config.blend_check_layer, config.blend_min_reuse
+            ),
         )
         encoder_cache = None
         if loaded.image_input is not None:
@@ -173,11 +183,17 @@ class Engine:
             params = dataclasses.replace(
                 params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words)
             )
-        request = self._new_request(request_id, prompt, params, cache_salt)
+        constraint = None
         if params.structured_outputs is not None:
             # Compiled here, so a bad schema or regex fails this call (a 400), not a step.
-            request.constraint = self._structured_compiler().constraint(params.structured_outputs)
-        self.scheduler.add_request(request)
+            constraint = self._structured_compiler().constraint(params.structured_outputs)
+        blended = self._blends(prompt, params)
+        if blended:
+            request = self._add_blend_request(request_id, prompt, params, cache_salt, constraint)
+        else:
+            request = self._new_request(request_id, prompt, params, cache_salt)
+            request.constraint = constraint
+            self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request=request,
             detokenizer=IncrementalDetokenizer(
@@ -188,6 +204,57 @@ class Engine:
             prompt_logprobs=(
                 [None] * request.num_prompt_tokens if params.prompt_logprobs is not None else None
             ),
+            blended=blended,
+        )
+
+    def _blends(self, prompt: ProcessedPrompt, params: SamplingParams) -> bool:
+        """True when the prompt is segmented, has chunks, and its kv_reuse (or the engine's
+        default) is "blend"; raises InputError when this engine cannot blend it."""
+        plan = prompt.segments
+        if plan is None or (plan.kv_reuse or self.config.kv_reuse) != "blend":
+            return False
+        check_blend_supported(
+            has_layers=hasattr(self.runner.model, "layers"),
+            is_hybrid=self.layout.is_hybrid,
+            is_fp8=self.runner.kv_cache.is_fp8,
+            has_images=bool(prompt.mm_items),
+            wants_prompt_logprobs=params.prompt_logprobs is not None,
+        )
+        if len(prompt.token_ids) >= self.max_model_len:
+            raise InputError(
+                "segments",
+                f"the segments are {len(prompt.token_ids)} tokens in all; the model's context "
+                f"is {self.max_model_len} tokens, so they must be at most "
+                f"{self.max_model_len - 1}",
+            )
+        return len(plan.starts) >= 3  # no chunk between context and question: nothing to blend
+
+    def _add_blend_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        cache_salt: str | None,
+        constraint: object,
+    ) -> Request:
+        """Queues a segmented prompt through the blend driver (chunks first, or after it)."""
+        plan = prompt.segments
+        assert plan is not None
+
+        def new_request(
+            rid: str, token_ids: list[int], marker: tuple[int, str] | None,
+            own_params: SamplingParams | None,
+        ) -> Request:
+            chunk_prompt = ProcessedPrompt(token_ids, prompt.text if own_params is None else None)
+            request = self._new_request(rid, chunk_prompt, own_params or params, cache_salt,
+                                        kv_marker=marker)
+            if own_params is None:
+                request.constraint = constraint
+            return request
+
+        return self.blends.add(
+            plan.ranges(len(prompt.token_ids)), plan.recompute_ratio, new_request, request_id,
+            prompt.token_ids,
         )
 
     def add_requests(
@@ -243,6 +310,7 @@ class Engine:
         cache_salt: str | None,
         *,
         sample_tokens: bool = True,
+        kv_marker: tuple[int, str] | None = None,
     ) -> Request:
         if not isinstance(prompt, ProcessedPrompt):
             raise TypeError(
@@ -264,6 +332,7 @@ class Engine:
             hasher=self.hasher,
             sample_tokens=sample_tokens,
             prompt_text=prompt.text,
+            kv_marker=kv_marker,
         )
 
     def _bad_words_token_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -289,6 +358,7 @@ class Engine:
         """Stop a request and free its blocks (idempotent; unknown ids are ignored)."""
         if not self.beams.abort(request_id):
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.blends.abort(request_id)
         self._tracked.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -308,6 +378,15 @@ class Engine:
         self.num_steps += 1
         sampled = {rid: t.token_id for rid, t in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)
+        for request_id, (reused, recomputed) in result.blend_counts.items():
+            blended = self._tracked.get(request_id)
+            spec = blended.request.blend if blended is not None else None
+            if spec is not None:
+                spec.num_reused_tokens, spec.num_recomputed_tokens = reused, recomputed
+        # Chunk sequences are the blend driver's: their tokens are never shown.
+        chunks = [r for r in touched if self.blends.is_chunk(r.request_id)]
+        touched = [r for r in touched if not self.blends.is_chunk(r.request_id)]
+        self.blends.after_step(chunks + touched)
         for request_id, (first, entries) in result.prompt_logprobs.items():
             # By position: a preempted request recomputes its prompt and rewrites the same.
             tracked_request = self._tracked.get(request_id)
@@ -379,6 +458,13 @@ class Engine:
             finished_time=now if request.is_finished else None,
             num_preemptions=request.num_preemptions,
         )
+        if tracked.blended:
+            spec = request.blend
+            reused = spec.num_reused_tokens if spec is not None else 0
+            metrics.num_blended_tokens = reused
+            metrics.num_recomputed_tokens = (
+                request.num_prompt_tokens - metrics.num_cached_tokens - reused
+            )
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt_text,

@@ -7,6 +7,7 @@ before attention reads them; logits are computed only for positions that sample.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from kvmemo.attention.backend import AttentionBackend, select_attention_backend
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.engine.blend_forward import blend_prefill
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -41,6 +43,8 @@ class ModelRunnerOutput:
     # token from there, holding that token and the top-k alternatives), for the sequences whose
     # chunk computed prompt positions and that asked for prompt logprobs.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # request_id -> (tokens reused from chunks, tokens recomputed), for blended prefills.
+    blend_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -65,6 +69,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
+        self.scale = scale
         self.attention_backend = attention_backend or select_attention_backend("paged", scale)
         self.kv_connector = kv_connector  # worker side: loads store blocks into the pages
         if kv_connector is not None:
@@ -88,7 +93,37 @@ class ModelRunner:
             self.kv_connector.start_load_kv(output.kv_connector_metadata)
         if output.is_empty:
             return ModelRunnerOutput(sampled={})
-        seqs = output.sequences
+        blends = [s for s in output.sequences if s.blend is not None]
+        if blends:
+            return self._execute_with_blends(output, blends)
+        return self._execute(output.sequences)
+
+    def _execute_with_blends(
+        self, output: SchedulerOutput, blends: list[ScheduledSequence]
+    ) -> ModelRunnerOutput:
+        """Blended prefills run one by one (blend_forward.py), the rest as one batch; each
+        blend's last row is sampled like any prompt's."""
+        rest = [s for s in output.sequences if s.blend is None]
+        result = self._execute(rest) if rest else ModelRunnerOutput(sampled={})
+        counts: dict[str, tuple[int, int]] = {}
+        sampled = dict(result.sampled)
+        for seq in blends:
+            blended = blend_prefill(
+                self.model, self.kv_cache, self.attention_backend, seq,
+                scale=self.scale, device=self.device,
+            )
+            counts[seq.request_id] = (blended.num_reused_tokens, blended.num_recomputed_tokens)
+            logits = self.model.compute_logits(blended.hidden).float()
+            if self.capture_logits:
+                self.last_logits = logits.clone()
+            (token,) = self.sampler.sample(
+                logits, [seq.sampling_params], [seq.num_output_tokens],
+                [seq.token_history], [seq.constraint],
+            )
+            sampled[seq.request_id] = token
+        return dataclasses.replace(result, sampled=sampled, blend_counts=counts)
+
+    def _execute(self, seqs: list[ScheduledSequence]) -> ModelRunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
         for seq in seqs:

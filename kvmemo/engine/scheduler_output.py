@@ -19,6 +19,29 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkSource:
+    """Cached chunk KV a blended prompt reuses: num_tokens tokens that sit at positions
+    src_start.. of a chunk sequence (its block table) and go to positions dst_start.. of the
+    prompt, keys re-rotated by dst_start - src_start."""
+
+    dst_start: int
+    src_start: int
+    num_tokens: int
+    src_block_table: list[int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class BlendStep:
+    """A blended prefill (kvmemo/engine/blend_forward.py): the sequence's whole uncached prompt
+    in one step, with its chunk segments' KV copied from `sources` and only the tokens picked
+    on the check layer, plus every token no source covers, recomputed past it."""
+
+    sources: tuple[ChunkSource, ...]
+    recompute_ratio: float
+    check_layer: int
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     """One sequence's share of the step."""
 
@@ -46,6 +69,8 @@ class ScheduledSequence:
     # A hybrid layout's block table per layer group (layout.groups order); None entries are
     # blocks a sliding window released. Empty for a single-group layout: block_table is all.
     group_block_tables: list[list[int | None]] = field(default_factory=list)
+    # Set on the step that computes a blended prompt (Request.blend); None otherwise.
+    blend: BlendStep | None = None
 
 
 @dataclass(frozen=True)

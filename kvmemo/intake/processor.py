@@ -18,6 +18,14 @@ import jinja2
 
 from kvmemo.errors import InputError
 from kvmemo.intake.reply_tokens import ReplyTokenCache
+from kvmemo.intake.segments import (
+    SegmentPlan,
+    check_documents,
+    encode_segments,
+    messages_with_documents_marker,
+    split_at_documents_marker,
+    split_at_separator,
+)
 from kvmemo.request import MultiModalItem
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -35,6 +43,9 @@ class ProcessedPrompt:
     text: str | None = None  # the prompt as text, when there was one (for RequestOutput.prompt)
     mm_items: list[MultiModalItem] = field(default_factory=list)  # sorted by offset
     mm_data: list[Any] = field(default_factory=list)  # pixel arrays [3, S, S], parallel to mm_items
+    # A prompt given as segments (context, chunks, question): where each starts, and how it
+    # reuses KV (kvmemo/intake/segments.py); None for a plain prompt.
+    segments: SegmentPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ class InputProcessor:
         vocab_size: int,
         chat_template: str | None = None,
         image_input: Any | None = None,  # an ImageInputSpec for models that take images
+        blend_separator: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -77,6 +89,9 @@ class InputProcessor:
         self.reply_tokens = ReplyTokenCache()
         self.chat_template = chat_template
         self.image_input = image_input
+        # LMCache's convention: a text prompt holding this string is split at it into
+        # segments (the separator removed); None: prompts are never split.
+        self.blend_separator = blend_separator
 
     def process(
         self,
@@ -84,21 +99,42 @@ class InputProcessor:
         images: list[Any] | None = None,
         *,
         add_special_tokens: bool = True,
+        kv_reuse: Any = None,
+        recompute_ratio: Any = None,
     ) -> ProcessedPrompt:
         """Tokenize `prompt`; with images, each image marker (e.g. "<image>") becomes the image's
         placeholder tokens. A token-id prompt marks images with the image token id, unexpanded.
-        add_special_tokens: the tokenizer's own (a BOS, for models that use one) on a text."""
+        add_special_tokens: the tokenizer's own (a BOS, for models that use one) on a text.
+        A text holding the blend separator becomes segments (kv_reuse, recompute_ratio:
+        theirs)."""
+        if isinstance(prompt, str) and self.blend_separator and not images:
+            pieces = split_at_separator(prompt, self.blend_separator)
+            if pieces is not None and len(pieces) >= 2:
+                return self.process_segments(pieces, kv_reuse, recompute_ratio)
         token_ids = self.encode_prompt(prompt, add_special_tokens)
         text = prompt if isinstance(prompt, str) else None
         return self._expand_images(token_ids, list(images or ()), text)
 
     def process_any(self, prompt: Any) -> ProcessedPrompt:
-        """A prompt in any form the offline API takes: a string, token ids, a ProcessedPrompt, or
-        (multimodal models) {"prompt": "USER: <image>\\nWhat is this?", "images": [...]}."""
+        """A prompt in any form the offline API takes: a string, token ids, a ProcessedPrompt,
+        (multimodal models) {"prompt": "USER: <image>\\nWhat is this?", "images": [...]}, or
+        {"segments": [context, chunk, ..., question], "kv_reuse": "blend",
+        "recompute_ratio": 0.15} (the last two optional; see segments.py)."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         if not isinstance(prompt, dict):
             return self.process(prompt)
+        if "segments" in prompt:
+            unknown = sorted(set(prompt) - {"segments", "kv_reuse", "recompute_ratio"})
+            if unknown:
+                raise InputError(
+                    "prompt",
+                    "a segments prompt takes the keys 'segments' (required), 'kv_reuse' and "
+                    f"'recompute_ratio'; got {sorted(prompt)}",
+                )
+            return self.process_segments(
+                prompt["segments"], prompt.get("kv_reuse"), prompt.get("recompute_ratio")
+            )
         unknown = sorted(set(prompt) - {"prompt", "images"})
         if unknown or "prompt" not in prompt:
             raise InputError(
@@ -111,12 +147,24 @@ class InputProcessor:
             images = [images]
         return self.process(prompt["prompt"], list(images))
 
+    def process_segments(
+        self, segments: Any, kv_reuse: Any = None, recompute_ratio: Any = None
+    ) -> ProcessedPrompt:
+        """A prompt given as segments (text or token ids), tokenized one by one."""
+        token_ids, plan, text = encode_segments(
+            segments, self.encode_prompt, kv_reuse=kv_reuse, recompute_ratio=recompute_ratio
+        )
+        return ProcessedPrompt(token_ids, text, segments=plan)
+
     def process_chat(
         self,
         messages: list[dict[str, Any]],
         options: ChatOptions | None = None,
         *,
         cache_salt: str | None = None,
+        documents: Any = None,
+        kv_reuse: Any = None,
+        recompute_ratio: Any = None,
     ) -> ProcessedPrompt:
         """Render a conversation whose contents may be OpenAI content-part lists with images.
 
@@ -126,6 +174,10 @@ class InputProcessor:
         """
         if not isinstance(messages, list) or not messages:
             validate_messages(messages)
+        if documents is not None:
+            return self._process_chat_documents(
+                messages, options, check_documents(documents), kv_reuse, recompute_ratio
+            )
         images: list[Any] = []
         flat = [
             self._flatten_message(i, _normalise_message(m), images) for i, m in enumerate(messages)
@@ -137,6 +189,34 @@ class InputProcessor:
             raise
         except ValueError as e:  # an unreadable image: the client sent it in messages
             raise InputError("messages", f"messages: {e}") from e
+
+    def _process_chat_documents(
+        self,
+        messages: list[dict[str, Any]],
+        options: ChatOptions | None,
+        documents: list[str],
+        kv_reuse: Any,
+        recompute_ratio: Any,
+    ) -> ProcessedPrompt:
+        """A text conversation with documents in its system message, as segments."""
+        images: list[Any] = []
+        flat = [
+            self._flatten_message(i, _normalise_message(m), images) for i, m in enumerate(messages)
+        ]
+        if images:
+            raise InputError("documents", "documents cannot be combined with images")
+        options = options or ChatOptions()
+        rendered = self.render_chat(messages_with_documents_marker(flat), options)
+        segments = split_at_documents_marker(rendered, documents)
+        special = options.add_special_tokens
+
+        def encode(segment: str | list[int], first: bool) -> list[int]:
+            return self.encode_prompt(segment, add_special_tokens=special and first)
+
+        token_ids, plan, text = encode_segments(
+            segments, encode, kv_reuse=kv_reuse, recompute_ratio=recompute_ratio
+        )
+        return ProcessedPrompt(token_ids, text, segments=plan)
 
     def _flatten_message(self, index: int, message: Any, images: list[Any]) -> Any:
         """A message whose content-part list is joined into one string; images are replaced by

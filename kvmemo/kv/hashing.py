@@ -25,7 +25,8 @@ HASH_ALGORITHMS = ("sha256", "xxh3_128")
 # Bump when the KV page layout changes, so blocks written by an older layout never match.
 LAYOUT_VERSION = 1
 
-# One extra key: (mm content hash, block start - item offset) or ("salt", salt).
+# One extra key: (mm content hash, block start - item offset), ("salt", salt) or
+# ("reuse", marker name).
 ExtraKey = Union[tuple[bytes, int], tuple[str, str]]
 ExtraKeys = tuple[ExtraKey, ...]
 
@@ -111,14 +112,19 @@ def hash_block(
 
 def extra_keys_for_range(request: Request, start: int, end: int) -> ExtraKeys:
     """Extra keys of the token range [start, end) of `request`, in the order DESIGN.md fixes."""
-    return _extra_keys(request.mm_items, request.cache_salt, start, end)
+    return _extra_keys(request.mm_items, request.cache_salt, start, end, request.kv_marker)
 
 
 def _extra_keys(
-    items: Sequence[MultiModalItem], cache_salt: str | None, start: int, end: int
+    items: Sequence[MultiModalItem],
+    cache_salt: str | None,
+    start: int,
+    end: int,
+    marker: tuple[int, str] | None = None,
 ) -> ExtraKeys:
     """Multimodal items overlapping [start, end) give (content_hash, start - item.offset); then
-    ("salt", cache_salt) only for a range starting at 0. Needs items sorted by offset and
+    ("salt", cache_salt) only for a range starting at 0; then ("reuse", name) for the range
+    holding the marker's token (Request.kv_marker). Needs items sorted by offset and
     non-overlapping (checked before the first block is hashed); a bisect on the item ends keeps
     this O(log items + items overlapping).
     """
@@ -128,6 +134,8 @@ def _extra_keys(
             keys.append((items[i].content_hash, start - items[i].offset))
     if start == 0 and cache_salt is not None:
         keys.append(("salt", cache_salt))
+    if marker is not None and start <= marker[0] < end:
+        keys.append(("reuse", marker[1]))
     return tuple(keys)
 
 
@@ -165,7 +173,8 @@ class RequestHasher:
         Raises ValueError if request.mm_items is unsorted or overlapping (checked on first call).
         """
         self._chain(
-            request.block_hashes, request.all_token_ids, request.mm_items, request.cache_salt
+            request.block_hashes, request.all_token_ids, request.mm_items, request.cache_salt,
+            request.kv_marker,
         )
 
     def hash_prompt(
@@ -173,11 +182,12 @@ class RequestHasher:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
+        kv_marker: tuple[int, str] | None = None,
     ) -> list[BlockHash]:
         """The hashes of a prompt's full blocks, as a request of this engine would get them
         (the router predicts a replica's hits with this)."""
         hashes: list[BlockHash] = []
-        self._chain(hashes, token_ids, mm_items, cache_salt)
+        self._chain(hashes, token_ids, mm_items, cache_salt, kv_marker)
         return hashes
 
     def _chain(
@@ -186,6 +196,7 @@ class RequestHasher:
         tokens: Sequence[int],
         mm_items: Sequence[MultiModalItem],
         cache_salt: str | None,
+        kv_marker: tuple[int, str] | None = None,
     ) -> None:
         size = self.block_size
         if not hashes and mm_items:
@@ -193,7 +204,7 @@ class RequestHasher:
         parent = hashes[-1] if hashes else self.root
         for index in range(len(hashes), len(tokens) // size):
             start = index * size
-            keys = _extra_keys(mm_items, cache_salt, start, start + size)
+            keys = _extra_keys(mm_items, cache_salt, start, start + size, kv_marker)
             parent = hash_block(parent, tokens[start : start + size], keys, self.algorithm)
             hashes.append(parent)
             self.num_hashed_blocks += 1

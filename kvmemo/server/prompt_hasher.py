@@ -65,7 +65,11 @@ class PromptHasher:
                     # Image blocks hash with the image's content, which the router does not
                     # compute: no prediction, so the prompt goes to the least loaded replica.
                     return None
-                return self.processor.process_chat(body["messages"]).token_ids
+                return self.processor.process_chat(
+                    body["messages"], documents=body.get("documents")
+                ).token_ids
+            if body.get("segments") is not None:
+                return self.processor.process_segments(body["segments"]).token_ids
             prompt = body["prompt"]
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]

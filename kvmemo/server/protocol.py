@@ -159,6 +159,10 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: kvmemo has one backend
+    # Chunk KV reuse for segmented prompts (kvmemo/intake/segments.py, docs/blending.md):
+    # "blend" reuses each chunk's cached KV at any position; None: the server's default.
+    kv_reuse: Literal["prefix", "blend"] | None = None
+    recompute_ratio: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request sets, or None; InputError if it sets several."""
@@ -199,11 +203,21 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[int], Field(min_length=1)]
         | list[str]
         | list[list[int]]
-    )
+        | None
+    ) = None
+    # kvmemo: the prompt as [context, chunk, ..., question] (text or token ids), instead of
+    # prompt; checked by the intake (400 naming the segment)
+    segments: list[Any] | None = None
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt comes back before the completion (with logprobs: its own)
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens on a text prompt
+
+    @model_validator(mode="after")
+    def _prompt_or_segments(self):
+        if (self.prompt is None) == (self.segments is None):
+            raise ValueError("give exactly one of prompt and segments")
+        return self
 
 
 class TextPart(BaseModel):
@@ -266,6 +280,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # kvmemo: retrieved documents, placed at the end of the system message as segments
+    # (each a reusable chunk under kv_reuse="blend"); checked by the intake
+    documents: list[Any] | None = None
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -273,6 +290,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # kvmemo, kv_reuse="blend" only: tokens whose KV came from cached chunks, and computed
+    blended_tokens: int | None = None
+    recomputed_tokens: int | None = None
 
 
 class Usage(BaseModel):

@@ -65,6 +65,9 @@ class ServingChat(OpenAIServing):
                 chat_options=options,
                 echo_prefix=echo_prefix,
                 tool_replies=tool_replies,
+                documents=body.documents,
+                kv_reuse=body.kv_reuse,
+                recompute_ratio=body.recompute_ratio,
             )
         except InputError as e:
             if tool_replies is not None and e.param == "structured_outputs":

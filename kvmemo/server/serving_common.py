@@ -70,6 +70,8 @@ class Job:
     token_texts: dict[int, str] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_blended_tokens: int | None = None  # kv_reuse="blend" only
+    num_recomputed_tokens: int | None = None
     ttft_s: float | None = None
     start: float = field(default_factory=time.monotonic)
     # Per prompt token {token_id: logprob} (None for the first), once the prompt is computed,
@@ -100,17 +102,23 @@ class Job:
                 self.prompt_logprobs = list(out.prompt_logprobs)
             self.num_prompt_tokens = out.metrics.num_prompt_tokens
             self.num_cached_tokens = out.metrics.num_cached_tokens
+            self.num_blended_tokens = out.metrics.num_blended_tokens
+            self.num_recomputed_tokens = out.metrics.num_recomputed_tokens
         if self.ttft_s is None and out.metrics.first_token_time is not None:
             self.ttft_s = time.monotonic() - self.start
         return choice, delta
 
     def usage(self) -> dict[str, Any]:
         completion_tokens = sum(c.num_tokens for c in self.choices)
+        details: dict[str, Any] = {"cached_tokens": self.num_cached_tokens}
+        if self.num_blended_tokens is not None:
+            details["blended_tokens"] = self.num_blended_tokens
+            details["recomputed_tokens"] = self.num_recomputed_tokens
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.num_prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "prompt_tokens_details": details,
         }
 
     def token_text(self, token_id: int) -> str:

@@ -38,9 +38,13 @@ class ServingCompletion(OpenAIServing):
         params = self.sampling_params(
             body, body.max_tokens or _DEFAULT_MAX_TOKENS, body.logprobs, prompt_logprobs
         )
+        inputs: dict[str, Any] = (
+            {"segments": body.segments} if body.segments is not None else {"prompt": prompt}
+        )
         return await self.generate(
             body, request, params, body.logprobs, ignored_fields=ignored, echo=body.echo,
-            prompt=prompt, add_special_tokens=body.add_special_tokens,
+            add_special_tokens=body.add_special_tokens, kv_reuse=body.kv_reuse,
+            recompute_ratio=body.recompute_ratio, **inputs,
         )
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:

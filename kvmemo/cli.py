@@ -76,6 +76,31 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="log engine details to stderr; generate also prints its memory (weights, KV pool, "
         "peak RSS)",
     )
+    g = parser.add_argument_group("chunk KV reuse (segmented prompts, docs/blending.md)")
+    g.add_argument(
+        "--kv-reuse", default="prefix", choices=["prefix", "blend"],
+        help="default for segmented prompts: exact prefix caching only (prefix, default), or "
+        "reuse each chunk's KV wherever it appears, recomputing a share of it (blend); a "
+        "request's kv_reuse overrides it",
+    )
+    g.add_argument(
+        "--blend-recompute-ratio", type=float, default=0.15,
+        help="share of the reused chunk tokens recomputed, the most deviating (default: 0.15)",
+    )
+    g.add_argument(
+        "--blend-check-layer", type=int, default=1,
+        help="layer whose K/V deviation picks the tokens to recompute (default: 1)",
+    )
+    g.add_argument(
+        "--blend-min-reuse", type=float, default=0.5,
+        help="below this share of chunk tokens cached, a blend request runs as an exact prefill "
+        "and its chunks are computed after it (default: 0.5)",
+    )
+    g.add_argument(
+        "--blend-separator", default=None, metavar="TEXT",
+        help="split text prompts holding this string into segments at it (LMCache's "
+        "convention, e.g. ' # # '; default: off)",
+    )
 
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +183,11 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         # One --kv-store stays a string; several are tiers, in the order given.
         kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,
         chat_template=_text_or_file(args.chat_template),
+        kv_reuse=args.kv_reuse,
+        blend_recompute_ratio=args.blend_recompute_ratio,
+        blend_check_layer=args.blend_check_layer,
+        blend_min_reuse=args.blend_min_reuse,
+        blend_separator=args.blend_separator,
     )
 
 

@@ -684,3 +684,71 @@ def test_vllm_structured_output_options_and_unimplemented_extras(server, model):
             "model": model, "prompt": "hi", "max_tokens": 2,
             "structured_outputs": {"structural_tag": "{}"}})
         assert tag.status_code == 400
+
+
+# ---- chunk KV reuse (kv_reuse="blend") ------------------------------------------------------
+
+
+def _doc(name: str) -> str:
+    return (
+        f"Notes on {name}. " + " ".join(f"{name} item {i} weighs {i * 3} grams." for i in range(12))
+        + "\n\n"
+    )
+
+
+def test_segments_and_documents_blend_and_report_reuse(server, model):
+    tag = uuid.uuid4().hex[:8]
+    context = f"<|im_start|>system\n[{tag}] Answer from the notes.\n"
+    ask = "<|im_end|>\n<|im_start|>user\nWhat does item 4 weigh?<|im_end|>\n<|im_start|>assistant\n"
+    docs = [_doc(f"box{k}") for k in range(3)]
+    with server.http() as http:
+        def complete(order, **extra):
+            body = {"model": model, "segments": [context, *(docs[k] for k in order), ask],
+                    "max_tokens": 4, "temperature": 0, **extra}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]
+
+        cold = complete([0, 1, 2], kv_reuse="blend")
+        assert cold["blended_tokens"] == 0  # nothing cached yet: an exact prefill
+        _wait_until_idle(server)  # its chunks are computed after its first token
+        warm = complete([2, 0, 1], kv_reuse="blend", recompute_ratio=0.2)
+        assert warm["blended_tokens"] > 60 and warm["recomputed_tokens"] > 0
+        plain = complete([2, 0, 1])
+        assert "blended_tokens" not in plain  # prefix caching: the default
+        chat = http.post("/v1/chat/completions", json={
+            "model": model, "max_tokens": 4, "temperature": 0, "kv_reuse": "blend",
+            "messages": [{"role": "user", "content": "What does box1 item 4 weigh?"}],
+            "documents": [d.strip() for d in docs],
+        })
+        assert chat.status_code == 200, chat.text
+        assert "blended_tokens" in chat.json()["usage"]["prompt_tokens_details"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"segments": ["only one"]}, "segments"),
+        ({"segments": ["context", "", "question"]}, "segments[1]"),
+        ({"segments": ["context", {"text": "x"}, "question"]}, "segments[1]"),
+        ({"segments": ["a", "b"], "prompt": "c"}, None),
+        ({"segments": ["a", "b"], "kv_reuse": "approximate"}, None),
+        ({"segments": ["a", "b"], "recompute_ratio": 2}, None),
+    ],
+)
+def test_bad_segments_are_400(server, model, body, param):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"model": model, "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param
+
+
+def test_bad_documents_are_400(server, model):
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json={
+            "model": model, "max_tokens": 2, "documents": ["fine", 3],
+            "messages": [{"role": "user", "content": "hi"}],
+        })
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "documents[1]"

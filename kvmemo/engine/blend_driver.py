@@ -5,7 +5,8 @@ A segmented prompt is [context, chunk_1, ..., chunk_k, question] (kvmemo/intake/
 The chunk cache is prefix caching of [context + chunk] sequences under a "chunk" marker: each
 chunk's KV is computed after the context alone, at the positions right after it, and its blocks
 from the one holding the chunk's first token on are hashed with ("reuse", "chunk") (see
-Request.kv_marker). So chunk KV lives in the same block pool and LRU, is saved to and loaded from
+Request.kv_marker). The sequence is padded past its last block boundary, so every chunk token
+lies in a full block. So chunk KV lives in the same block pool and LRU, is saved to and loaded from
 the disk and Redis stores like any block, is isolated by cache_salt and model like any chain, and
 never serves an exact-prefix lookup. The context's own blocks stay exact and shared.
 
@@ -97,18 +98,19 @@ class BlendDriver:
         chunk_ranges = ranges[1:-1]
         ratio = self.settings.recompute_ratio if recompute_ratio is None else recompute_ratio
         check_layer = self.settings.check_layer
+        size = self.kv.block_size
         chunks = [
             new_request(
                 f"{request_id}\x00chunk{i}",
-                prompt_token_ids[:context_len] + prompt_token_ids[start:end],
+                _padded(prompt_token_ids[:context_len] + prompt_token_ids[start:end], size),
                 (context_len, CHUNK_MARKER),
                 _CHUNK_PARAMS,
             )
             for i, (start, end) in enumerate(chunk_ranges)
         ]
         chunk_tokens = sum(end - start for start, end in chunk_ranges)
-        cached = sum(self._cached_chunk_tokens(c, context_len) for c in chunks)
-        cold = cached < self.settings.min_reuse * chunk_tokens
+        hits = [self._cached_chunk_tokens(c, context_len) for c in chunks]
+        cold = sum(total for _, total in hits) < self.settings.min_reuse * chunk_tokens
         if cold:
             request = new_request(request_id, prompt_token_ids, None, None)
         else:
@@ -117,12 +119,23 @@ class BlendDriver:
             )
             request.blend = BlendSpec(context_len, chunk_ranges, chunks, ratio, check_layer)
         self.scheduler.check_fits(request)
-        blend = _Blend(request, chunks, cold)
-        self._blends[request_id] = blend
-        for chunk in chunks:
-            self._chunk_owner[chunk.request_id] = request_id
+        # A chunk whose full blocks are all in the pool needs no step of its own: the blend
+        # holds them at admission.
+        to_compute = [
+            chunk
+            for chunk, (device, _) in zip(chunks, hits)
+            if context_len + device < (chunk.num_tokens - 1) // size * size
+        ]
         if cold:
+            to_compute = chunks
+        blend = _Blend(request, to_compute, cold)
+        self._blends[request_id] = blend
+        for chunk in to_compute:
+            self._chunk_owner[chunk.request_id] = request_id
+        if cold or not to_compute:
             self.scheduler.add_request(request)
+            if not cold:
+                self._blends.pop(request_id)
         else:
             self._queue_chunks(blend)
         return request
@@ -132,15 +145,16 @@ class BlendDriver:
             self.scheduler.add_request(chunk)
             blend.waiting_on.add(chunk.request_id)
 
-    def _cached_chunk_tokens(self, chunk: Request, context_len: int) -> int:
-        """Chunk tokens whose KV the pool or a store holds now (an estimate: it may change
-        before the chunk is scheduled)."""
-        hit = self.kv.get_computed_blocks(chunk).num_tokens
+    def _cached_chunk_tokens(self, chunk: Request, context_len: int) -> tuple[int, int]:
+        """Chunk tokens whose KV the pool holds now, and the pool or a store (estimates: both
+        may change before the chunk is scheduled)."""
+        device = self.kv.get_computed_blocks(chunk).num_tokens
+        hit = device
         if self.connector is not None:
             size = self.kv.block_size
-            stored = self.connector.count_stored_tokens(chunk, hit)
-            hit = max(hit, hit // size * size + stored)
-        return max(0, hit - context_len)
+            stored = self.connector.count_stored_tokens(chunk, device)
+            hit = max(device, device // size * size + stored)
+        return max(0, device - context_len), max(0, hit - context_len)
 
     def after_step(self, touched: Iterable[Request]) -> None:
         """Advances blends past this step: finished chunks let their prompt in; a cold
@@ -182,6 +196,17 @@ class BlendDriver:
             self._chunk_owner.pop(chunk.request_id, None)
             if not chunk.is_finished:
                 self.scheduler.finish_request(chunk.request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def _padded(token_ids: list[int], block_size: int) -> list[int]:
+    """The chunk sequence padded (with its last token) to one token past a block boundary.
+
+    Tokens after the chunk cannot change its KV (attention is causal), and so every chunk token
+    sits in a full block, which gets a hash and is cached, saved and loaded whole; only the one
+    pad token after the boundary is ever recomputed (a prefill always computes its last token).
+    """
+    pad = (-len(token_ids)) % block_size + 1
+    return token_ids + [token_ids[-1]] * pad
 
 
 def check_blend_supported(

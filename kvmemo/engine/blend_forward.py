@@ -2,15 +2,17 @@
 tokens whose KV deviates most recomputed (CacheBlend's selective recompute).
 
 One sequence, whole uncached prompt, in one call:
-1. Layers 0..check run over every uncached token, as a plain prefill over the cached prefix:
-   their KV is fresh everywhere. On the check layer, each reused token's fresh K/V is compared
-   with its cached K/V (keys re-rotated to the new position): the squared difference is its
-   deviation.
-2. Every later layer gets the reused tokens' cached KV (keys moved to their new positions).
-3. The rows that continue: every token no chunk covers (the question, the context's uncached
+1. Layers before the check layer run over every uncached token, as a plain prefill over the
+   cached prefix: their KV is fresh everywhere.
+2. The check layer projects q/k/v for every token (its K/V is written fresh for all) and
+   compares each reused token's fresh K/V with its chunk's (keys moved to the new position):
+   the squared difference is its deviation. (Layer 0's K/V depend on the token and position
+   only, so they never deviate: the check layer must be 1 or later to see the new context.)
+3. Every later layer gets the reused tokens' chunk KV, keys moved to their new positions.
+4. The rows that continue: every token no chunk covers (the question, the context's uncached
    tail, chunk tails no longer cached) plus the top recompute_ratio of the reused tokens by
-   deviation. Through layers check+1.., they attend causally over the blended KV and overwrite
-   their own slots with fresh KV.
+   deviation. From the check layer's attention on, they attend causally over the blended KV
+   and overwrite their own slots with fresh KV; the other rows' work stops at step 2.
 
 Invariant: the last prompt position is always recomputed (no chunk covers the question), so the
 returned hidden row is the one that samples the first token. recompute_ratio 1.0 recomputes
@@ -26,7 +28,13 @@ from typing import Any
 import torch
 
 from kvmemo.attention.backend import AttentionBackend
-from kvmemo.attention.blend import attend_at_positions, read_slots, rerotate
+from kvmemo.attention.blend import (
+    attend_at_positions,
+    move_kv,
+    read_slots,
+    rerotate,
+    sequence_kv,
+)
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.engine.scheduler_output import ScheduledSequence
@@ -34,7 +42,10 @@ from kvmemo.engine.scheduler_output import ScheduledSequence
 
 @dataclass(frozen=True)
 class BlendResult:
-    hidden: torch.Tensor  # [1, hidden]: the final-normed last position
+    # [S, hidden]: the final-normed recomputed rows, in position order; the last is the prompt's
+    # last position (the one that samples). Benchmarks read the others' logits (teacher forcing).
+    hidden: torch.Tensor
+    positions: torch.Tensor  # [S] their positions
     num_reused_tokens: int  # KV taken from chunks as is
     num_recomputed_tokens: int  # KV computed through every layer
 
@@ -61,8 +72,8 @@ def blend_prefill(
     start = seq.num_computed_tokens
     num_new = len(seq.token_ids)
     end = start + num_new
-    num_layers = len(model.layers)
-    check = min(max(seq.blend.check_layer, 0), num_layers - 1)
+    layers = model.layers
+    check = min(max(seq.blend.check_layer, 0), len(layers) - 1)
 
     # Where reused tokens come from and go to (positions in the prompt and their slots).
     dst_pos_parts, src_pos_parts, src_slot_parts = [], [], []
@@ -79,9 +90,10 @@ def blend_prefill(
     is_reused[reused_rows] = True
     fresh_rows = (~is_reused).nonzero()[:, 0]
 
+    num_blocks = -(-end // size)
+    block_ids = torch.tensor(seq.block_table[:num_blocks], dtype=torch.int64)
     all_positions = torch.arange(end, dtype=torch.int64)
     all_slots = _slots(seq.block_table, all_positions, size)
-    dst_slots = all_slots[reused_pos]
     positions = all_positions[start:]
     ids = torch.tensor(seq.token_ids, dtype=torch.int64, device=device)
     hidden = model.embed(ids)  # [T, hidden]
@@ -89,13 +101,10 @@ def blend_prefill(
     rope = model.rope_tables(positions.to(device), dtype)
     old_rope = model.rope_tables(src_pos.to(device), torch.float32)
     new_rope = model.rope_tables(reused_pos.to(device), torch.float32)
-    src_slots_d, dst_slots_d = src_slots.to(device), dst_slots.to(device)
+    src_slots_d = src_slots.to(device)
+    dst_slots_d = all_slots[reused_pos].to(device)
 
-    def cached_kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reused tokens' chunk K (re-rotated to their new positions) and V."""
-        k, v = read_slots(kv_cache, layer, src_slots_d)
-        return rerotate(k, old_rope[layer], new_rope[layer]), v
-
+    # 1. Layers before the check layer: every uncached token, as a prefill.
     metadata = AttentionMetadata.build(
         block_tables=[seq.block_table],
         num_computed_tokens=[start],
@@ -104,49 +113,61 @@ def blend_prefill(
         num_cache_blocks=kv_cache.num_blocks,
         device=device,
     )
-    deviation = torch.zeros(0)
 
     def full_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        nonlocal deviation
-        if layer == check and reused_rows.numel():
-            k_old, v_old = cached_kv(layer)
-            rows = reused_rows.to(device)
-            dk = (k.index_select(0, rows).float() - k_old.float()).square().sum((1, 2))
-            dv = (v.index_select(0, rows).float() - v_old.float()).square().sum((1, 2))
-            deviation = (dk + dv).cpu()
         return backend.forward(layer, q, k, v, kv_cache, metadata)
 
-    for layer in range(check + 1):
+    for layer in range(check):
         cos, sin = rope[layer]
-        hidden = model.layers[layer](layer, hidden, cos, sin, full_attention)
+        hidden = layers[layer](layer, hidden, cos, sin, full_attention)
 
-    if reused_rows.numel():
-        for layer in range(check + 1, num_layers):
-            k_old, v_old = cached_kv(layer)
-            kv_cache.write(layer, k_old, v_old, dst_slots_d)
-
+    # 2. The check layer's q/k/v for every token: fresh K/V for all of them, and each reused
+    # token's deviation from its chunk's K/V.
+    block = layers[check]
+    cos, sin = rope[check]
+    q, k, v = block.project_qkv(block.input_layernorm(hidden), cos, sin)
     num_reused = int(reused_rows.numel())
-    num_pick = min(num_reused, math.ceil(seq.blend.recompute_ratio * num_reused - 1e-9))
-    picked = reused_rows[torch.topk(deviation, num_pick).indices] if num_pick else reused_rows[:0]
+    picked = reused_rows[:0]
+    if num_reused:
+        k_old, v_old = read_slots(kv_cache, check, src_slots_d)
+        k_old = rerotate(k_old, old_rope[check], new_rope[check])
+        rows_d = reused_rows.to(device)
+        fresh_k = k.index_select(0, rows_d).transpose(0, 1).float()  # [Hkv, N, D]
+        fresh_v = v.index_select(0, rows_d).transpose(0, 1).float()
+        deviation = (fresh_k - k_old.float()).square().sum((0, 2))
+        deviation += (fresh_v - v_old.float()).square().sum((0, 2))
+        num_pick = min(num_reused, math.ceil(seq.blend.recompute_ratio * num_reused - 1e-9))
+        if num_pick:
+            picked = reused_rows[torch.topk(deviation.cpu(), num_pick).indices]
+    kv_cache.write(check, k, v, all_slots[start:].to(device))
+    # 3. Later layers get the chunks' K/V at the new positions.
+    for layer in range(check + 1, len(layers)):
+        if num_reused:
+            move_kv(kv_cache, layer, src_slots_d, dst_slots_d, old_rope[layer], new_rope[layer])
+
+    # 4. The picked and uncovered tokens continue, attending over the blended K/V.
     rows = torch.sort(torch.cat([fresh_rows, picked])).values
     rows_d = rows.to(device)
-    hidden = hidden.index_select(0, rows_d)
     sel_positions = positions[rows].to(device)
     sel_slots = all_slots[start:][rows].to(device)
-    key_slots = all_slots.to(device)
-    sel_rope = model.rope_tables(sel_positions, dtype)
+    block_ids_d = block_ids.to(device)
 
     def sparse_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        kv_cache.write(layer, k, v, sel_slots)  # first: each row sees its own fresh key
-        keys, values = read_slots(kv_cache, layer, key_slots)
-        return attend_at_positions(q, keys.to(q.dtype), values.to(q.dtype), sel_positions, scale)
+        if layer != check:  # the check layer's K/V are all written already
+            kv_cache.write(layer, k, v, sel_slots)  # first: each row sees its own fresh key
+        keys, values = sequence_kv(kv_cache, layer, block_ids_d)
+        return attend_at_positions(q, keys, values, sel_positions, scale)
 
-    for layer in range(check + 1, num_layers):
+    out = sparse_attention(check, q.index_select(0, rows_d), k, v)
+    attention_out = block.o(out.reshape(rows.numel(), -1))
+    hidden = block.finish_block(hidden.index_select(0, rows_d), attention_out)
+    sel_rope = model.rope_tables(sel_positions, dtype)
+    for layer in range(check + 1, len(layers)):
         cos, sin = sel_rope[layer]
-        hidden = model.layers[layer](layer, hidden, cos, sin, sparse_attention)
-    recomputed = int(rows.numel()) if check + 1 < num_layers else num_new
+        hidden = layers[layer](layer, hidden, cos, sin, sparse_attention)
     return BlendResult(
-        hidden=model.norm(hidden[-1:]),
-        num_reused_tokens=num_new - recomputed,
-        num_recomputed_tokens=recomputed,
+        hidden=model.norm(hidden),
+        positions=sel_positions,
+        num_reused_tokens=num_new - int(rows.numel()),
+        num_recomputed_tokens=int(rows.numel()),
     )

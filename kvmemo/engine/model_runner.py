@@ -84,6 +84,7 @@ class ModelRunner:
         # Debug hook for tests: keep the last step's sampling logits.
         self.capture_logits = False
         self.last_logits: torch.Tensor | None = None
+        self.last_blend_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -113,9 +114,13 @@ class ModelRunner:
                 scale=self.scale, device=self.device,
             )
             counts[seq.request_id] = (blended.num_reused_tokens, blended.num_recomputed_tokens)
-            logits = self.model.compute_logits(blended.hidden).float()
+            logits = self.model.compute_logits(blended.hidden[-1:]).float()
             if self.capture_logits:
                 self.last_logits = logits.clone()
+                # Every recomputed row's logits, by position (teacher-forced benchmarks).
+                self.last_blend_logits = (
+                    blended.positions.cpu(), self.model.compute_logits(blended.hidden).float()
+                )
             (token,) = self.sampler.sample(
                 logits, [seq.sampling_params], [seq.num_output_tokens],
                 [seq.token_history], [seq.constraint],

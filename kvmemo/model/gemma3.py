@@ -40,7 +40,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         attention: AttentionFn,
     ) -> torch.Tensor:
         out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
-        hidden = hidden + self.post_attention_layernorm(out)
+        return self.finish_block(hidden, out)
+
+    def finish_block(self, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(attention_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp_out)
 

@@ -58,7 +58,12 @@ class DecoderLayer(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:
         out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
-        hidden = hidden + out  # [T, hidden]
+        return self.finish_block(hidden, out)
+
+    def finish_block(self, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: the residual add of o_proj's output [T, hidden], then the
+        MLP's. A blended prefill (engine/blend_forward.py) calls it for a subset of rows."""
+        hidden = hidden + attention_out  # [T, hidden]
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def attention_block(
@@ -70,6 +75,15 @@ class DecoderLayer(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:
         """o_proj(attention(rope(q), rope(k), v)) of the normed hidden states [T, hidden]."""
+        q, k, v = self.project_qkv(normed, cos, sin)
+        out = attention(layer_idx, q, k, v)  # [T, H, D]
+        return self.o(out.reshape(normed.shape[0], self.q_size))
+
+    def project_qkv(
+        self, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, KV, D] with RoPE applied (after per-head norms, if any), and
+        v [T, KV, D], of the normed hidden states [T, hidden]."""
         num_tokens = normed.shape[0]
         qkv = self.qkv(normed)  # [T, (H + 2*KV) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -88,8 +102,7 @@ class DecoderLayer(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
             qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
-        out = attention(layer_idx, q, k, v)  # [T, H, D]
-        return self.o(out.reshape(num_tokens, self.q_size))
+        return q, k, v
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head norms of q and k before RoPE: none in a Llama (Gemma overrides)."""

@@ -249,6 +249,39 @@ def peers_section() -> str:
     return "\n".join(lines) if len(lines) > 1 else ""
 
 
+def rag_blend_section(r: dict) -> str:
+    full = r["runs"]["no caching"]
+    rows = []
+    for label, run in r["runs"].items():
+        tf = run.get("teacher_forced_agreement")
+        rows.append(
+            f"| {label} | {run['ttft_median_s']:.3f} | "
+            f"{100 * run['ttft_median_s'] / full['ttft_median_s']:.0f}% | "
+            f"{run['needle_accuracy'] * 100:.0f}% | "
+            f"{'-' if tf is None else f'{tf * 100:.1f}%'} | "
+            f"{run.get('blended_tokens_mean', 0):.0f} | "
+            f"{run.get('recomputed_tokens_mean', run['prompt_tokens_mean'] - run['cached_tokens_mean']):.0f} |"
+        )
+    table = "\n".join(rows)
+    tokens = r["chunk_tokens"]
+    return f"""## RAG prompts: chunk KV blending (`python -m benchmarks.micro.bench_rag_blend`)
+
+{r['cpu']}, {r['dtype']}, SmolLM2-135M; {r['queries']} queries, each [system, 8 chunks of
+{min(tokens)}-{max(tokens)} tokens drawn from 64 in a per-query order, question]
+(~{r['runs']['no caching']['prompt_tokens_mean']:.0f} tokens); one request at a time, 32 greedy
+tokens. TTFT as a share of full prefill (goal at ratio 0.15: at most 20%); teacher-forced
+agreement with the full prefill's 32 answer tokens (goal: 95%); needle accuracy (goal: within 3
+points of full prefill). Default check layer {r['default_check_layer']}. Analysis and what was
+tried: [blending.md](blending.md).
+
+| run | TTFT median (s) | of full prefill | needles found | teacher-forced agreement | reused tokens | computed tokens |
+|---|---|---|---|---|---|---|
+{table}
+
+![TTFT against quality](img/rag_blend.png)
+"""
+
+
 # (results file, renderer), in page order; a section appears once its results exist.
 SECTIONS = (
     ("core.json", core_section),
@@ -257,6 +290,7 @@ SECTIONS = (
     ("beam_search.json", beam_search_section),
     ("multimodal.json", multimodal_section),
     ("router.json", router_section),
+    ("rag_blend.json", rag_blend_section),
 )
 
 

@@ -210,7 +210,12 @@ def _padded(token_ids: list[int], block_size: int) -> list[int]:
 
 
 def check_blend_supported(
-    *, has_layers: bool, is_hybrid: bool, is_fp8: bool, has_images: bool, wants_prompt_logprobs: bool
+    *,
+    has_layers: bool,
+    is_hybrid: bool,
+    is_fp8: bool,
+    has_images: bool,
+    wants_prompt_logprobs: bool,
 ) -> None:
     """Raises InputError naming why this engine or request cannot blend."""
     reasons = [

@@ -104,7 +104,8 @@ def encode_segments(
 def check_documents(documents: Any) -> list[str]:
     if not isinstance(documents, (list, tuple)) or not documents:
         raise InputError(
-            "documents", f"documents must be a non-empty list of strings, got {_describe(documents)}"
+            "documents",
+            f"documents must be a non-empty list of strings, got {_describe(documents)}",
         )
     for index, doc in enumerate(documents):
         if not isinstance(doc, str) or not doc.strip():

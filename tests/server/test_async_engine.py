@@ -20,14 +20,16 @@ from kvmemo.sampling import SamplingParams
 class _Processor:
     chat_template = None
 
-    def process(self, prompt, add_special_tokens=True):
+    # InputProcessor's signatures; segments and documents (chunk KV reuse) are not exercised here.
+    def process(self, prompt, add_special_tokens=True, kv_reuse=None, recompute_ratio=None):
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
             return ProcessedPrompt([ord(c) for c in prompt], prompt)
         return ProcessedPrompt(list(prompt))
 
-    def process_chat(self, messages, options=None, cache_salt=None):
+    def process_chat(self, messages, options=None, cache_salt=None, documents=None,
+                     kv_reuse=None, recompute_ratio=None):
         return self.process("".join(m["content"] for m in messages))
 
 

@@ -39,6 +39,11 @@ from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.engine.scheduler_output import ScheduledSequence
 
+# Rows per piece of the layers before the check layer: the engine's default step budget. Past
+# ~2,700 rows SmolLM2's MLP intermediate outgrows glibc's 32 MiB mmap threshold and every
+# layer page-faults it in afresh (layer 0 over 2,900 rows took 85-290 ms in one piece).
+_PIECE_ROWS = 2048
+
 
 @dataclass(frozen=True)
 class BlendResult:
@@ -104,22 +109,29 @@ def blend_prefill(
     src_slots_d = src_slots.to(device)
     dst_slots_d = all_slots[reused_pos].to(device)
 
-    # 1. Layers before the check layer: every uncached token, as a prefill.
-    metadata = AttentionMetadata.build(
-        block_tables=[seq.block_table],
-        num_computed_tokens=[start],
-        query_lens=[num_new],
-        block_size=size,
-        num_cache_blocks=kv_cache.num_blocks,
-        device=device,
-    )
+    # 1. Layers before the check layer: every uncached token, as a prefill in pieces of at most
+    # _PIECE_ROWS rows (a chunked prefill: each piece attends over the pieces before it).
+    pieces = []
+    for lo in range(0, num_new, _PIECE_ROWS):
+        hi = min(lo + _PIECE_ROWS, num_new)
+        metadata = AttentionMetadata.build(
+            block_tables=[seq.block_table],
+            num_computed_tokens=[start + lo],
+            query_lens=[hi - lo],
+            block_size=size,
+            num_cache_blocks=kv_cache.num_blocks,
+            device=device,
+        )
 
-    def full_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        return backend.forward(layer, q, k, v, kv_cache, metadata)
+        def full_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            return backend.forward(layer, q, k, v, kv_cache, metadata)  # noqa: B023 (used now)
 
-    for layer in range(check):
-        cos, sin = rope[layer]
-        hidden = layers[layer](layer, hidden, cos, sin, full_attention)
+        piece = hidden[lo:hi]
+        for layer in range(check):
+            cos, sin = rope[layer]
+            piece = layers[layer](layer, piece, cos[lo:hi], sin[lo:hi], full_attention)
+        pieces.append(piece)
+    hidden = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     # 2. The check layer's q/k/v for every token: fresh K/V for all of them, and each reused
     # token's deviation from its chunk's K/V.

@@ -262,3 +262,19 @@ def test_second_process_reuses_chunks_from_the_disk_store(tmp_path):
     second = process("second")
     assert second["loaded"] > 0  # its chunks' blocks were read from the store
     assert second["tokens"] == first["tokens"]
+
+
+def test_layers_before_the_check_layer_run_in_pieces(blend_llm, monkeypatch):
+    """A prompt longer than a piece runs the layers before the check layer as a chunked prefill:
+    at ratio 1.0 the tokens still equal a full prefill's."""
+    from kvmemo.engine import blend_forward
+
+    monkeypatch.setattr(blend_forward, "_PIECE_ROWS", 64)
+    order = [2, 3, 0]
+    run(blend_llm, segments(order, "Dunmore"), kv_reuse="blend")  # chunks cached
+    plain = run(blend_llm, segments(order, "Dunmore"))
+    pieces = run(blend_llm, segments(order, "Dunmore"), kv_reuse="blend", recompute_ratio=1.0)
+    assert pieces.metrics.num_recomputed_tokens > 3 * 64
+    assert pieces.outputs[0].token_ids == plain.outputs[0].token_ids
+    half = run(blend_llm, segments(order, "Dunmore"), kv_reuse="blend", recompute_ratio=0.5)
+    assert half.metrics.num_blended_tokens > 3 * 64  # the blend path ran, chunks warm

@@ -277,4 +277,4 @@ def test_layers_before_the_check_layer_run_in_pieces(blend_llm, monkeypatch):
     assert pieces.metrics.num_recomputed_tokens > 3 * 64
     assert pieces.outputs[0].token_ids == plain.outputs[0].token_ids
     half = run(blend_llm, segments(order, "Dunmore"), kv_reuse="blend", recompute_ratio=0.5)
-    assert half.metrics.num_blended_tokens > 3 * 64  # the blend path ran, chunks warm
+    assert half.metrics.num_blended_tokens > 64  # the blend path ran: chunks were warm

@@ -11,8 +11,8 @@ the disk and Redis stores like any block, is isolated by cache_salt and model li
 never serves an exact-prefix lookup. The context's own blocks stay exact and shared.
 
 A blend request runs in two phases, driven from here, between engine steps:
-1. Its chunk sequences go through the scheduler as ordinary one-token requests (hits where
-   cached, in the pool or a store; computed where not); their outputs are dropped.
+1. Its chunk sequences not all in the pool go through the scheduler as ordinary one-token
+   requests (loaded where a store has them, computed where not); their outputs are dropped.
 2. Then the prompt itself is queued with a BlendSpec: the scheduler holds the chunks' blocks and
    schedules the whole prompt in one step; the runner copies their KV in at the new positions and
    recomputes the tokens picked on the check layer (blend_forward.py). Its blocks after the
@@ -128,14 +128,15 @@ class BlendDriver:
         ]
         if cold:
             to_compute = chunks
+        elif not to_compute:  # every chunk is in the pool: the prompt blends now
+            self.scheduler.add_request(request)
+            return request
         blend = _Blend(request, to_compute, cold)
         self._blends[request_id] = blend
         for chunk in to_compute:
             self._chunk_owner[chunk.request_id] = request_id
-        if cold or not to_compute:
+        if cold:
             self.scheduler.add_request(request)
-            if not cold:
-                self._blends.pop(request_id)
         else:
             self._queue_chunks(blend)
         return request

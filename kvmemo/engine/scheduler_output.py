@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class ChunkSource:
     """Cached chunk KV a blended prompt reuses: num_tokens tokens that sit at positions
     src_start.. of a chunk sequence (its block table) and go to positions dst_start.. of the
-    prompt, keys re-rotated by dst_start - src_start."""
+    prompt, keys moved to their new positions (attention/blend.py)."""
 
     dst_start: int
     src_start: int

@@ -7,14 +7,17 @@ the choice itself is `kvmemo router`'s policy (kvmemo.server.routing), over the 
 router has in flight on each replica.
 
 Invariant: only Ray's candidate replicas are ranked; a request without block hashes (not a
-generation request, or a prompt the ingress could not hash) or an unreachable index goes to the
-least loaded candidate.
+generation request, or a prompt the ingress could not hash) goes to the least loaded candidate.
+When the index does not answer in time (it lags behind replicas' events when the CPUs are busy
+prefilling), the router ranks by the routes it took itself: a prefix it sent to a replica
+still goes there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve._private.common import ReplicaID
@@ -29,6 +32,7 @@ from kvmemo.server.routing import Candidate, RoutingPolicy
 logger = logging.getLogger(__name__)
 
 INDEX_TIMEOUT_S = 0.5  # a routing decision waits no longer for the KV index
+_ROUTED_BLOCKS_KEPT = 200_000  # block hashes this router remembers routing (LRU; ~10 MB)
 
 
 class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
@@ -39,6 +43,8 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
         deployment = self._deployment_id
         self._index = get_kv_index(deployment.app_name, deployment.name)
         self._in_flight: dict[ReplicaID, set[str]] = {}
+        # block hash -> the replica this router last sent a prompt holding it to
+        self._routed: OrderedDict[bytes, ReplicaID] = OrderedDict()
 
     async def choose_replicas(
         self,
@@ -55,8 +61,9 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
                 matched = await asyncio.wait_for(
                     self._index.matched_blocks.remote(hashes, ids), INDEX_TIMEOUT_S
                 )
-            except Exception as exc:  # the index restarts or lags: route by load meanwhile
-                logger.warning("kvmemo KV index unavailable (%r); routing by load", exc)
+            except Exception as exc:  # the index restarts or lags: our own routes meanwhile
+                logger.warning("kvmemo KV index unavailable (%r); routing by own routes", exc)
+                matched = [self._routed_prefix(hashes, r.replica_id) for r in candidate_replicas]
         candidates = [
             Candidate(i, matched[i], len(self._in_flight.get(r.replica_id, ())))
             for i, r in enumerate(candidate_replicas)
@@ -77,6 +84,20 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
         hashes = _block_hashes(pending_request)
         if hashes:  # it will hold them once it has run the prompt
             self._index.note_routed.remote(replica_id.to_full_id_str(), hashes)
+            for block_hash in hashes:
+                self._routed[block_hash] = replica_id
+                self._routed.move_to_end(block_hash)
+            while len(self._routed) > _ROUTED_BLOCKS_KEPT:
+                self._routed.popitem(last=False)
+
+    def _routed_prefix(self, hashes: tuple[bytes, ...], replica_id: ReplicaID) -> int:
+        """Leading blocks of `hashes` this router last sent to `replica_id`."""
+        count = 0
+        for block_hash in hashes:
+            if self._routed.get(block_hash) != replica_id:
+                break
+            count += 1
+        return count
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.get(replica_id, set()).discard(internal_request_id)
@@ -85,6 +106,8 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id, None)
         self._index.drop.remote(replica_id.to_full_id_str())
+        for block_hash in [h for h, r in self._routed.items() if r == replica_id]:
+            del self._routed[block_hash]
 
 
 def _block_hashes(pending_request: PendingRequest | None) -> tuple[bytes, ...]:

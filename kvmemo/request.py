@@ -62,9 +62,9 @@ class BlendSpec:
     chunk_requests: list[Request]  # the chunk sequence of each range (context + chunk tokens)
     recompute_ratio: float  # share of the reused tokens recomputed (the most deviating)
     check_layer: int  # layer whose K/V deviation picks them
-    # Filled by the step that blends: tokens whose KV was reused as is, and recomputed.
+    # Filled by the step that blends: tokens whose KV was reused as is (the rest of the uncached
+    # prompt was computed).
     num_reused_tokens: int = 0
-    num_recomputed_tokens: int = 0
 
 
 class RequestStatus(enum.IntEnum):

@@ -81,6 +81,12 @@ class BlendDriver:
     def is_chunk(self, request_id: str) -> bool:
         return request_id in self._chunk_owner
 
+    @property
+    def is_driving(self) -> bool:
+        """True while a blend waits on its chunks (or a cold one on its first token): only then
+        has a step's outcome anything for the driver."""
+        return bool(self._blends)
+
     def add(
         self,
         ranges: list[tuple[int, int]],

@@ -51,8 +51,7 @@ class BlendResult:
     # last position (the one that samples). Benchmarks read the others' logits (teacher forcing).
     hidden: torch.Tensor
     positions: torch.Tensor  # [S] their positions
-    num_reused_tokens: int  # KV taken from chunks as is
-    num_recomputed_tokens: int  # KV computed through every layer
+    num_reused_tokens: int  # KV taken from chunks as is (the other uncached tokens: computed)
 
 
 def _slots(block_table: list[int | None], positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -181,5 +180,4 @@ def blend_prefill(
         hidden=model.norm(hidden),
         positions=sel_positions,
         num_reused_tokens=num_new - int(rows.numel()),
-        num_recomputed_tokens=int(rows.numel()),
     )

@@ -187,7 +187,7 @@ class Engine:
         if params.structured_outputs is not None:
             # Compiled here, so a bad schema or regex fails this call (a 400), not a step.
             constraint = self._structured_compiler().constraint(params.structured_outputs)
-        blended = self._blends(prompt, params)
+        blended = self._wants_blend(prompt, params)
         if blended:
             request = self._add_blend_request(request_id, prompt, params, cache_salt, constraint)
         else:
@@ -207,7 +207,7 @@ class Engine:
             blended=blended,
         )
 
-    def _blends(self, prompt: ProcessedPrompt, params: SamplingParams) -> bool:
+    def _wants_blend(self, prompt: ProcessedPrompt, params: SamplingParams) -> bool:
         """True when the prompt is segmented, has chunks, and its kv_reuse (or the engine's
         default) is "blend"; raises InputError when this engine cannot blend it."""
         plan = prompt.segments
@@ -378,15 +378,17 @@ class Engine:
         self.num_steps += 1
         sampled = {rid: t.token_id for rid, t in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)
-        for request_id, (reused, recomputed) in result.blend_counts.items():
+        for request_id, reused in result.blend_counts.items():
             blended = self._tracked.get(request_id)
             spec = blended.request.blend if blended is not None else None
             if spec is not None:
-                spec.num_reused_tokens, spec.num_recomputed_tokens = reused, recomputed
-        # Chunk sequences are the blend driver's: their tokens are never shown.
-        chunks = [r for r in touched if self.blends.is_chunk(r.request_id)]
-        touched = [r for r in touched if not self.blends.is_chunk(r.request_id)]
-        self.blends.after_step(chunks + touched)
+                spec.num_reused_tokens = reused
+        if self.blends.is_driving:
+            # Chunk sequences are the blend driver's: their tokens are never shown (sorted out
+            # first: the driver forgets a chunk once its blend moves on).
+            chunks = [r for r in touched if self.blends.is_chunk(r.request_id)]
+            touched = [r for r in touched if not self.blends.is_chunk(r.request_id)]
+            self.blends.after_step(chunks + touched)
         for request_id, (first, entries) in result.prompt_logprobs.items():
             # By position: a preempted request recomputes its prompt and rewrites the same.
             tracked_request = self._tracked.get(request_id)

@@ -43,8 +43,8 @@ class ModelRunnerOutput:
     # token from there, holding that token and the top-k alternatives), for the sequences whose
     # chunk computed prompt positions and that asked for prompt logprobs.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
-    # request_id -> (tokens reused from chunks, tokens recomputed), for blended prefills.
-    blend_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # request_id -> prompt tokens whose KV was reused from chunks, for blended prefills.
+    blend_counts: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -106,14 +106,14 @@ class ModelRunner:
         blend's last row is sampled like any prompt's."""
         rest = [s for s in output.sequences if s.blend is None]
         result = self._execute(rest) if rest else ModelRunnerOutput(sampled={})
-        counts: dict[str, tuple[int, int]] = {}
+        counts: dict[str, int] = {}
         sampled = dict(result.sampled)
         for seq in blends:
             blended = blend_prefill(
                 self.model, self.kv_cache, self.attention_backend, seq,
                 scale=self.scale, device=self.device,
             )
-            counts[seq.request_id] = (blended.num_reused_tokens, blended.num_recomputed_tokens)
+            counts[seq.request_id] = blended.num_reused_tokens
             logits = self.model.compute_logits(blended.hidden[-1:]).float()
             if self.capture_logits:
                 self.last_logits = logits.clone()

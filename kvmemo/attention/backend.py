@@ -14,6 +14,7 @@ import torch
 
 from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
 from kvmemo.attention.cascade import cascade_attention
+from kvmemo.attention.cpu_kernel import DecodeKernel, load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
 from kvmemo.attention.torch_ref import paged_attention_ref
@@ -53,6 +54,7 @@ class PagedAttentionBackend:
         self.workspace = Workspace()
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: StepPlan | None = None
+        self._fused_write: DecodeKernel | None = None  # this step's kernel for _decode_fast
 
     def forward(
         self,
@@ -65,6 +67,15 @@ class PagedAttentionBackend:
     ) -> torch.Tensor:
         plan = self._plan_for(metadata, kv_cache)
         check_step_tensors(q, k, v, kv_cache, metadata)
+        kernel = self._fused_write
+        if kernel is not None and kernel.write_fits(q, k, v):
+            # A plain decode step: one C call writes the KV and attends (the same values as the
+            # path below, with no tensor ops between; they cost more than the work at one token).
+            return kernel.write_and_decode(
+                q, k, v, metadata.slot_mapping, kv_cache.k_pages[layer], kv_cache.v_pages[layer],
+                plan.block_tables, plan.decode_table_rows, plan.decode_seq_lens,  # type: ignore[arg-type]
+                self.scale,
+            )
         kv_cache.write(layer, k, v, metadata.slot_mapping)  # first: queries see their own keys
         q = fold_fp8_query(q, kv_cache, layer)
         if plan.cascade_blocks:
@@ -89,7 +100,35 @@ class PagedAttentionBackend:
             check_metadata_fits_cache(metadata, kv_cache)
             self._plan = StepPlan.build(metadata)
             self._plan_metadata = metadata
+            self._fused_write = _fused_write_kernel(self._plan, metadata, kv_cache)
         return self._plan
+
+
+def _fused_write_kernel(
+    plan: StepPlan, metadata: AttentionMetadata, kv_cache: PagedKVCache
+) -> DecodeKernel | None:
+    """The CPU decode kernel when this step can write its KV and attend in one call: every
+    sequence decodes, with no shared-prefix cascade, sliding window or fp8, on fp32/bf16 pages."""
+    if (
+        plan.cascade_blocks or plan.groups or plan.prefills or not plan.decode_seqs
+        or plan.decode_rows is not None or plan.decode_windowed or plan.decode_seq_lens is None
+        or kv_cache.is_fp8 or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+        or kv_cache.k_pages[0].device.type != "cpu"
+        or metadata.slot_mapping.dtype != torch.int64
+    ):
+        return None
+    kernel = load_decode_kernel()
+    if kernel is None or not kernel.supports(
+        torch.empty(0, kv_cache.num_kv_heads, kv_cache.k_pages[0].shape[-1]), kv_cache.k_pages[0],
+        kv_cache.v_pages[0],
+    ):
+        return None
+    contiguous = all(
+        t.is_contiguous() for t in (plan.block_tables, plan.decode_seq_lens, metadata.slot_mapping)
+    ) and (plan.decode_table_rows is None or plan.decode_table_rows.is_contiguous())
+    int64 = all(t.dtype == torch.int64 for t in (plan.block_tables, plan.decode_seq_lens)) and (
+        plan.decode_table_rows is None or plan.decode_table_rows.dtype == torch.int64)
+    return kernel if contiguous and int64 else None
 
 
 class ReferenceAttentionBackend:

@@ -32,6 +32,7 @@ class DecodeKernel:
 
     path: Path
     fn: Callable[..., int]  # the ctypes function pointer; returns a status code
+    write_fn: Callable[..., int]  # kvmemo_paged_decode_write: the KV write folded in
 
     def supports(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> bool:
         """True when this kernel can run the shapes, dtypes and layout (else use the torch path)."""
@@ -89,6 +90,47 @@ class DecodeKernel:
         return out.to(q.dtype), lse
 
 
+    def write_and_decode(
+        self,
+        q: torch.Tensor,  # [B, Hq, D] fp32, unit stride within a token's row
+        k: torch.Tensor,  # [B, Hkv, D] fp32: this step's keys, one token per sequence
+        v: torch.Tensor,  # [B, Hkv, D] fp32, the same strides as k
+        slots: torch.Tensor,  # [B] int64: each token's slot in the pages
+        k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D] contiguous, fp32 or bf16
+        v_pages: torch.Tensor,
+        block_tables: torch.Tensor,  # [S, max_blocks] int64 contiguous
+        table_rows: torch.Tensor | None,  # [B] int64 contiguous, or None: row b
+        kv_lens: torch.Tensor,  # [B] int64 contiguous, counting the new token
+        scale: float,
+    ) -> torch.Tensor:
+        """Writes k/v into their slots, then attends as __call__ does: [B, Hq, D] fp32. The
+        caller has checked that write_fits()."""
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+        out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+        status = self.write_fn(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
+            k_pages.data_ptr(), v_pages.data_ptr(), KV_DTYPE_CODES[k_pages.dtype],
+            block_tables.data_ptr(), block_tables.shape[1],
+            None if table_rows is None else table_rows.data_ptr(), kv_lens.data_ptr(), batch,
+            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, out.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError(f"decode+write kernel status {status}: check write_fits() first")
+        return out
+
+    @staticmethod
+    def write_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """q/k/v laid out as write_and_decode reads them (fp32, heads D apart, unit stride)."""
+        head_dim = q.shape[2]
+        return (
+            q.dtype == k.dtype == v.dtype == torch.float32
+            and q.stride(2) == k.stride(2) == v.stride(2) == 1
+            and q.stride(1) == k.stride(1) == v.stride(1) == head_dim
+            and k.stride(0) == v.stride(0)
+        )
+
+
 @cache
 def load_decode_kernel() -> DecodeKernel | None:
     """The kernel for this machine (built on first use, then cached on disk), or None."""
@@ -101,4 +143,10 @@ def load_decode_kernel() -> DecodeKernel | None:
         _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p,
         _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p,
     ]
-    return DecodeKernel(path=Path(library._name), fn=fn)
+    write_fn = library.kvmemo_paged_decode_write
+    write_fn.restype = ctypes.c_int
+    write_fn.argtypes = [
+        _p, _i64, _p, _p, _i64, _p, _p, _p, ctypes.c_int, _p, _i64, _p, _p,
+        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p,
+    ]
+    return DecodeKernel(path=Path(library._name), fn=fn, write_fn=write_fn)

@@ -149,9 +149,16 @@ class GatedMLP(nn.Module):
         weight, size = self.gate_up_proj.weight, self.intermediate_size
         return [weight[:size], weight[size:], self.down_proj.weight]
 
+    # One product for both halves when set (native GGUF weights: x is quantized once for both).
+    gate_up: Any = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate(x)  # [T, I]
-        up = self.up(x)
+        if self.gate_up is not None:
+            both = self.gate_up(x)  # [T, 2I]
+            gate, up = both[..., : self.intermediate_size], both[..., self.intermediate_size :]
+        else:
+            gate = self.gate(x)  # [T, I]
+            up = self.up(x)
         if self.activation == "silu":
             return self.down(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]
         return self.down(F.gelu(gate, approximate="tanh").mul_(up))

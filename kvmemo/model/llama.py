@@ -16,7 +16,9 @@ from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from kvmemo.model.linear_kernels import KernelChoice, Linear
 from kvmemo.model.linear_probe import choose_kernels
-from kvmemo.model.quant_linear import NativeLinear, QuantizedWeight
+from kvmemo.model.native_layer import FusedDecodeStep
+from kvmemo.model.native_linear import MAX_KERNEL_ROWS, NativeLinear
+from kvmemo.model.quant_linear import QuantizedWeight
 
 # attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -49,6 +51,9 @@ class DecoderLayer(nn.Module):
     def linear_weights(self) -> list[torch.Tensor]:
         return [self.qkv_proj.weight, self.o_proj.weight, *self.mlp.linear_weights()]
 
+    # Native weights' decode step in four kernel calls (native_layer.py), set when it fits.
+    fused_step: FusedDecodeStep | None = None
+
     def forward(
         self,
         layer_idx: int,
@@ -57,6 +62,8 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
+        if self.fused_step is not None and hidden.shape[0] <= MAX_KERNEL_ROWS:
+            return self.fused_step(layer_idx, hidden, cos, sin, attention)
         out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
         return self.finish_block(hidden, out)
 
@@ -154,16 +161,9 @@ class LlamaForCausalLM(nn.Module):
             p = f"layers.{i}."
             layer.qkv = native(p + "qkv_proj.weight", layer.qkv_proj.bias)  # type: ignore[assignment]
             layer.o = native(p + "o_proj.weight", layer.o_proj.bias)  # type: ignore[assignment]
-            gate_up = self.native_parts.get(p + "mlp.gate_up_proj.weight")
-            if gate_up is not None and len(gate_up) == 2:
-                layer.mlp.gate = NativeLinear([gate_up[0]], None)  # type: ignore[assignment]
-                layer.mlp.up = NativeLinear([gate_up[1]], None)  # type: ignore[assignment]
-            else:
-                weight = self.get_parameter(p + "mlp.gate_up_proj.weight").detach().float()
-                size = layer.mlp.intermediate_size
-                layer.mlp.gate = NativeLinear([weight[:size]], None)  # type: ignore[assignment]
-                layer.mlp.up = NativeLinear([weight[size:]], None)  # type: ignore[assignment]
+            layer.mlp.gate_up = native(p + "mlp.gate_up_proj.weight")
             layer.mlp.down = native(p + "mlp.down_proj.weight")  # type: ignore[assignment]
+            layer.fused_step = FusedDecodeStep(layer) if FusedDecodeStep.fits(layer) else None
         head = "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.head = native(head)
         self.linear_choice = KernelChoice()  # recorded; NativeLinear picks per call

@@ -19,16 +19,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvmemo.model.linear_kernels import onednn_available, onednn_matmul
 from kvmemo.native import load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "quant_linear.c"
-# NativeLinear's kernel path up to this many rows, dequantize + oneDNN above: a 32-row decode
-# batch ran faster in the kernel (dequantizing Gemma's 262k-row head every step cost more).
-MAX_KERNEL_ROWS = 32
 T = GGMLQuantizationType
 # The types the kernel reads (its enum holds the same GGML type numbers).
 NATIVE_TYPES = frozenset(
@@ -165,61 +160,3 @@ def _quiet_readonly() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         yield
-
-
-class NativeLinear:
-    """A projection whose weight is one or more row blocks (a fused q/k/v or gate/up may mix
-    GGUF types), each quantized or dense fp32, with the Linear call interface.
-
-    Up to MAX_KERNEL_ROWS rows (decode batches, logits) run the kernel on the GGUF bytes, each
-    part writing its columns of the output; more rows (prefill) dequantize the parts into one
-    weight for that call and multiply with oneDNN, so nothing dense is kept between calls.
-    """
-
-    __slots__ = ("parts", "bias", "num_out")
-
-    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None):
-        self.parts = parts
-        self.bias = None if bias is None else bias.detach()
-        self.num_out = sum(p.shape[0] for p in parts)
-
-    packed_bytes = 0
-    packed_only = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
-                   for p in self.parts)
-
-    def dense(self) -> torch.Tensor:
-        """The whole weight [N, K] in fp32 (dequantized now)."""
-        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float()
-                          for p in self.parts])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] > MAX_KERNEL_ROWS:
-            # oneDNN takes the plain dequantized weight (it reorders internally: 3.9 ms where
-            # MKL took 8.7 for 1,024 x 576 x 1,536 fp32 on Zen 5), in the compute dtype.
-            dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-            weight = self.dense().to(dtype)
-            if onednn_available(dtype) and x2.device.type == "cpu":
-                out = onednn_matmul(x2.to(dtype).contiguous(), weight, None).float()
-            else:
-                out = F.linear(x2.to(dtype), weight).float()
-        else:
-            out = torch.empty(x2.shape[0], self.num_out, dtype=torch.float32)
-            x32 = x2.float().contiguous()
-            start = 0
-            for part in self.parts:
-                end = start + part.shape[0]
-                if isinstance(part, QuantizedWeight):
-                    quant_linear(x32, part, out[:, start:end])
-                else:
-                    out[:, start:end] = F.linear(x32, part.float())
-                start = end
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype).reshape(*shape[:-1], self.num_out)
-

@@ -293,24 +293,46 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-/* Returns 0, or 1 when D or the group exceeds the fixed tile buffers (the caller falls back). */
-int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages, int dtype,
-                        const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
-                        int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,
-                        int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
-                        float *out, float *lse) {
+/* The new token's key and value of (sequence b, kv head h) into its slot, in the pages' dtype
+ * (fp32 copied; bf16 rounded to nearest even, as torch's cast). */
+static inline void write_slot(const float *k, const float *v, void *k_pages, void *v_pages,
+                              int dtype, int64_t offset, int64_t D) {
+    if (dtype == KV_F32) {
+        memcpy((float *)k_pages + offset, k, sizeof(float) * (size_t)D);
+        memcpy((float *)v_pages + offset, v, sizeof(float) * (size_t)D);
+        return;
+    }
+    uint16_t *kd = (uint16_t *)k_pages + offset, *vd = (uint16_t *)v_pages + offset;
+    for (int64_t d = 0; d < D; d++) {
+        uint32_t a, b;
+        memcpy(&a, k + d, 4);
+        memcpy(&b, v + d, 4);
+        kd[d] = (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
+        vd[d] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    }
+}
+
+static int paged_decode(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
+                        int64_t kv_stride, const int64_t *slots, const void *k_pages,
+                        const void *v_pages, int dtype, const int64_t *block_tables,
+                        int64_t table_stride, const int64_t *table_rows, int64_t first_block,
+                        const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t bs, int64_t num_blocks, float scale, float *out, float *lse) {
     int G = (int)(Hq / Hkv);
     if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
 #pragma omp parallel for schedule(dynamic)
     for (int64_t item = 0; item < B * Hkv; item++) {
         int64_t b = item / Hkv, h = item % Hkv;
+        int64_t head_offset = h * num_blocks * bs;
+        if (slots) /* this (sequence, head) alone reads the slot: no other item races on it */
+            write_slot(k_new + b * kv_stride + h * D, v_new + b * kv_stride + h * D,
+                       (void *)k_pages, (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
         float qs[MAX_GROUP * MAX_D];
-        const float *qb = q + (b * Hq + h * G) * D;
+        const float *qb = q + b * q_stride + h * G * D;
         for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
         const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
         float *ob = out + (b * Hq + h * G) * D;
         float *lb = lse ? lse + b * Hq + h * G : 0;
-        int64_t head_offset = h * num_blocks * bs;
         /* Constant D lets the compiler unroll the dot products and V updates fully. */
         if (D == 64)
             attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 64, ob, lb, 1);
@@ -320,4 +342,30 @@ int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages
             attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, D, ob, lb, 1);
     }
     return 0;
+}
+
+/* Returns 0, or 1 when D or the group exceeds the fixed tile buffers (the caller falls back). */
+int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages, int dtype,
+                        const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
+                        int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,
+                        int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
+                        float *out, float *lse) {
+    return paged_decode(q, Hq * D, NULL, NULL, 0, NULL, k_pages, v_pages, dtype, block_tables,
+                        table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv, D, bs,
+                        num_blocks, scale, out, lse);
+}
+
+/* A decode step's attention for one layer with its KV write folded in: sequence b's new key and
+ * value (rows of k_new / v_new, kv_stride apart, heads D apart) go to slot slots[b] of its pages
+ * first, then it attends over kv_lens[b] keys. q rows are q_stride apart. fp32 or bf16 pages. */
+int kvmemo_paged_decode_write(const float *q, int64_t q_stride, const float *k_new,
+                              const float *v_new, int64_t kv_stride, const int64_t *slots,
+                              void *k_pages, void *v_pages, int dtype, const int64_t *block_tables,
+                              int64_t table_stride, const int64_t *table_rows,
+                              const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                              int64_t D, int64_t bs, int64_t num_blocks, float scale, float *out) {
+    if (dtype != KV_F32 && dtype != KV_BF16) return 2;
+    return paged_decode(q, q_stride, k_new, v_new, kv_stride, slots, k_pages, v_pages, dtype,
+                        block_tables, table_stride, table_rows, 0, kv_lens, B, Hq, Hkv, D, bs,
+                        num_blocks, scale, out, NULL);
 }

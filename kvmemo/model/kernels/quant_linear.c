@@ -14,9 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+
+#include "gguf_types.h"
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
@@ -26,35 +25,6 @@ static inline float hsum(v16f v) {
     float s = 0.0f;
     for (int i = 0; i < 16; i++) s += v[i];
     return s;
-}
-
-enum {
-    T_F16 = 1, T_BF16 = 30, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-};
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#endif
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
 static inline float bf16(const uint8_t *p) {

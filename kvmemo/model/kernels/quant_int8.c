@@ -1,0 +1,578 @@
+/* GGUF-quantized linear layers with int8 activations: y[M, N] = q8(x)[M, K] . dequant(W)[N, K]^T.
+ *
+ * How: each row of x is quantized per GROUP (4) values to int8 codes with one fp32 scale
+ * (d = amax * (1/127), code = round(x / d)); llama.cpp's Q8 activations take one scale per 32,
+ * which moved 3% of SmolLM2's teacher-forced next tokens here, per 4 moves 1.4% at the same
+ * speed (the scale is per vector lane, which the product multiplies anyway). A weight's 32-value
+ * run is a vector of unsigned codes u with per-16 scales sa/sb and offsets ca/cb (value = s * u
+ * + c), so a lane's product (4 codes) is
+ *     d_lane * s * <u, q>[lane] + c * d_lane * sum(q[lane])
+ * and <u, q> is an integer dot product: vpdpbusd with AVX512-VNNI (two runs per 512-bit
+ * instruction) or AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, a plain loop elsewhere. Q8_0's
+ * signed codes go as |w| . sign(q, w).
+ *
+ * Invariant: y equals F.linear(x', dequantize(W)) to fp32 rounding, where x' = d * code is x
+ * after that quantization (so |y - F.linear(x, W)| <= sum_k |W[n, k]| * d(k) / 2, plus
+ * rounding). Why: a decode step is bound by reading the weights, and an integer dot product of
+ * 32 codes takes one instruction where dequantizing them to fp32 takes a dozen; the
+ * fp32-activation kernel in quant_linear.c stays for F16/BF16 weights.
+ * Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-value blocks), Q4_K, Q5_K, Q6_K (256-value blocks,
+ * read as eight 32-value runs).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "gguf_types.h"
+
+enum { MAX_M = 32 };
+enum { GROUP = 4 }; /* activation values per int8 scale: 4, 8 or 16 (lanes of 4 codes) */
+
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint8_t v32u8 __attribute__((vector_size(32)));
+
+/* Row m of x -> codes xq[m, K] and 16 * K/32 floats of scales at xd + m * 16 * (K/32): first,
+ * per 32-code block b, the scale d of each of its 8 lanes (4 codes; a GROUP shares one d) at 8b;
+ * then, per lane, d * sum(its group's codes) * 4 / GROUP (at 8 * (K/32) + 8b). Why that layout:
+ * the product kernel multiplies eight int32 lanes of partial dot products by their d and adds
+ * offset * (d * sum) spread over a group's lanes, with two vector FMAs and no scalar work (the
+ * spreading factor is a power of two, exact); consecutive blocks' entries are adjacent, so a
+ * 512-bit load takes two blocks. */
+int kvmemo_quantize_q8(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *xq, float *xd) {
+    if (K % 32) return 2;
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            float *e = xd + m * 16 * nb + 8 * b, *c = e + 8 * nb;
+            for (int g = 0; g < 32 / GROUP; g++) { /* a scale per GROUP values */
+                const float *xg = x + m * ldx + 32 * b + GROUP * g;
+                float amax = 0.0f;
+                for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
+                const float d = amax * (1.0f / 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
+                int8_t *q = xq + m * K + 32 * b + GROUP * g;
+                int32_t sum = 0; /* |sum| <= 16 * 127: exact in fp32 */
+                for (int i = 0; i < GROUP; i++) {
+                    q[i] = (int8_t)nearbyintf(xg[i] * id);
+                    sum += q[i];
+                }
+                for (int i = 0; i < GROUP / 4; i++) { /* its lanes: 4 codes each */
+                    e[GROUP / 4 * g + i] = d;
+                    c[GROUP / 4 * g + i] = d * (float)sum * (4.0f / GROUP);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* One weight run of 32 values: unsigned codes, per-16 scales and offsets (see the header). */
+typedef struct {
+    v32u8 u;
+    float sa, sb, ca, cb;
+} run_t;
+
+static inline v32u8 join(v16u8 lo, v16u8 hi) {
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                   17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Bit i of the 32-bit little-endian word at p, as 0x10 in byte i (Q5 high bits). */
+static inline v32u8 high_bits(const uint8_t *p) {
+    v32u8 w = {p[0], p[1], p[2], p[3]};
+    v32u8 bytes = __builtin_shufflevector(w, w, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2,
+                                          2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const v32u8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                       1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (v32u8)((bytes & bit) != 0) & 0x10;
+}
+
+static inline v32u8 load32(const uint8_t *p) { v32u8 v; memcpy(&v, p, 32); return v; }
+static inline v16u8 load16(const uint8_t *p) { v16u8 v; memcpy(&v, p, 16); return v; }
+
+/* Run j (0-based, 32 values each) of a weight row of `type`. Offsets and scales are formed as
+ * gguf-py's dequantize forms the values (d * code + m, d * sc * code - dmin * mn, ...). */
+static inline __attribute__((always_inline)) run_t unpack(int type, const uint8_t *row, int64_t j) {
+    run_t r;
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: {
+        const int has_min = type == T_Q4_1;
+        const uint8_t *b = row + j * (has_min ? 20 : 18);
+        const float d = f16(b);
+        const v16u8 q = load16(b + 2 + 2 * has_min);
+        r.u = join(q & 0xF, q >> 4);
+        r.sa = r.sb = d;
+        r.ca = r.cb = has_min ? f16(b + 2) : -8.0f * d;
+        break;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const int has_min = type == T_Q5_1;
+        const uint8_t *b = row + j * (has_min ? 24 : 22);
+        const float d = f16(b);
+        const uint8_t *qh = b + 2 + 2 * has_min;
+        const v16u8 q = load16(qh + 4);
+        r.u = join(q & 0xF, q >> 4) | high_bits(qh);
+        r.sa = r.sb = d;
+        r.ca = r.cb = has_min ? f16(b + 2) : -16.0f * d;
+        break;
+    }
+    case T_Q8_0: { /* signed codes: the caller takes |w| and moves the sign onto x */
+        const uint8_t *b = row + j * 34;
+        r.u = load32(b + 2);
+        r.sa = r.sb = f16(b);
+        r.ca = r.cb = 0.0f;
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const int is5 = type == T_Q5_K;
+        const uint8_t *b = row + (j / 8) * (is5 ? 176 : 144);
+        const int s = (int)(j % 8);
+        const uint8_t *sc = b + 4;
+        int scale, mn;
+        if (s < 4) {
+            scale = sc[s] & 63;
+            mn = sc[s + 4] & 63;
+        } else {
+            scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
+            mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+        }
+        const v32u8 q = load32(b + (is5 ? 48 : 16) + 32 * (s / 2));
+        r.u = (s & 1) ? q >> 4 : q & 0xF;
+        if (is5) r.u |= ((load32(b + 16) >> s) & 1) << 4;
+        r.sa = r.sb = f16(b) * (float)scale;
+        r.ca = r.cb = -(f16(b + 2) * (float)mn);
+        break;
+    }
+    case T_Q6_K: { /* half c of the block, run k of its four: low 4 bits from ql, 2 from qh */
+        const uint8_t *b = row + (j / 8) * 210;
+        const int c = (int)(j % 8) / 4, k = (int)(j % 4);
+        const v32u8 ql = load32(b + 64 * c + 32 * (k & 1)), qh = load32(b + 128 + 32 * c);
+        r.u = ((ql >> (4 * (k >> 1))) & 0xF) | (((qh >> (2 * k)) & 3) << 4);
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * c + 2 * k;
+        const float d = f16(b + 208);
+        r.sa = d * (float)sc[0];
+        r.sb = d * (float)sc[1];
+        r.ca = -32.0f * r.sa;
+        r.cb = -32.0f * r.sb;
+        break;
+    }
+    default: __builtin_unreachable();
+    }
+    return r;
+}
+
+#if defined(__AVX2__)
+/* Eight int32 lanes, lane i = sum of u[4i..4i+3] * s[4i..4i+3] (u unsigned, s signed). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else /* |u| <= 255, |s| <= 127 except Q8_0 (|u| <= 128): pairs stay within int16 */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+enum { TILE = 4 }; /* rows of x per pass over a weight row: their accumulators stay in registers */
+
+/* A weight run's scales and offsets as eight lanes (four per half). */
+#if defined(__AVX2__)
+static inline __m256 half_lanes(float a, float b) { return _mm256_setr_ps(a, a, a, a, b, b, b, b); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__)
+/* Blocks j and j + 1 of a Q4_0, Q4_1 or Q8_0 row as one vector of codes and their scales and
+ * offsets per lane: what unpack() gives for each, in about a third of the instructions (both
+ * blocks' fp16 scales convert in one instruction; both blocks' nibbles split in one pass). */
+static inline __attribute__((always_inline)) void pair32(int type, const uint8_t *row, int64_t j,
+                                                         __m512i *w, __m512 *s, __m512 *c) {
+    const int64_t bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34;
+    const uint8_t *a = row + j * bytes, *b = a + bytes;
+    const __m512i first = _mm512_setzero_si512(), second = _mm512_set1_epi32(2);
+    if (type == T_Q8_0) {
+        *w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
+                                _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
+    } else {
+        const int off = type == T_Q4_1 ? 4 : 2;
+        const __m256i q = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + off))),
+            _mm_loadu_si128((const __m128i *)(b + off)), 1);
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        const __m512i lo_hi = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(q, mask)),
+            _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1); /* lo_a lo_b hi_a hi_b */
+        *w = _mm512_shuffle_i64x2(lo_hi, lo_hi, _MM_SHUFFLE(3, 1, 2, 0)); /* lo_a hi_a lo_b hi_b */
+    }
+    uint32_t ha, hb; /* Q4_1: d then m; others: d (and the next bytes, unused) */
+    memcpy(&ha, a, 4);
+    memcpy(&hb, b, 4);
+    /* halves [d_a, m_a, d_b, m_b] (Q4_1) or [d_a, ., d_b, .] -> floats; lanes by permutation */
+    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)ha), (int)hb, 1));
+    const __m512 f512 = _mm512_castps128_ps512(f);
+    const __m512i d_index = _mm512_mask_blend_epi32(0xFF00, first, second);
+    *s = _mm512_permutexvar_ps(d_index, f512);
+    if (type == T_Q4_1)
+        *c = _mm512_permutexvar_ps(_mm512_add_epi32(d_index, _mm512_set1_epi32(1)), f512);
+    else if (type == T_Q4_0)
+        *c = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+    else
+        *c = _mm512_setzero_ps();
+}
+
+/* 512-bit: two consecutive runs (j, j + 1) per instruction; `tail` takes run j alone. */
+static inline __attribute__((always_inline)) void run_products(
+    int type, int R, const uint8_t *row, int64_t j, int tail, const int8_t *xq, const float *xd,
+    int64_t K, int64_t nb, __m512 *acc_p, __m512 *acc_c) {
+    __m512i w;
+    __m512 s, c;
+    if (!tail && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
+        pair32(type, row, j, &w, &s, &c);
+    } else {
+        const run_t a = unpack(type, row, j);
+        run_t b = a;
+        if (!tail) b = unpack(type, row, j + 1);
+        w = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a.u),
+                               tail ? _mm256_setzero_si256() : (__m256i)b.u, 1);
+        s = _mm512_insertf32x8(_mm512_castps256_ps512(half_lanes(a.sa, a.sb)),
+                               half_lanes(b.sa, b.sb), 1);
+        c = _mm512_insertf32x8(_mm512_castps256_ps512(half_lanes(a.ca, a.cb)),
+                               half_lanes(b.ca, b.cb), 1);
+    }
+    const __m512i u = type == T_Q8_0 ? _mm512_abs_epi8(w) : w;
+    const __mmask64 neg = _mm512_movepi8_mask(w); /* Q8_0: the sign moves onto x */
+    const __mmask64 bytes = tail ? 0xFFFFFFFFull : ~0ull;
+    const __mmask16 lanes = tail ? 0x00FF : 0xFFFF;
+    for (int m = 0; m < R; m++) {
+        __m512i q = _mm512_maskz_loadu_epi8(bytes, xq + m * K + 32 * j);
+        if (type == T_Q8_0) q = _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q);
+        const float *e = xd + m * 16 * nb + 8 * j;
+        const __m512 p = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q)), s);
+        acc_p[m] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(lanes, e), acc_p[m]);
+        if (type != T_Q8_0)
+            acc_c[m] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(lanes, e + 8 * nb), acc_c[m]);
+    }
+}
+
+/* y[m * ldy] for x rows [0, R) against one weight row. Two sets of accumulators take
+ * alternate pairs of runs, so consecutive FMAs into one register do not wait on each other. */
+static inline __attribute__((always_inline)) void row_tile(int type, int R, const uint8_t *row,
+                                                           const int8_t *xq, const float *xd,
+                                                           int64_t K, float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    __m512 p0[TILE], p1[TILE], c0[TILE], c1[TILE];
+    for (int m = 0; m < R; m++) p0[m] = p1[m] = c0[m] = c1[m] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 3 < nb; j += 4) {
+        run_products(type, R, row, j, 0, xq, xd, K, nb, p0, c0);
+        run_products(type, R, row, j + 2, 0, xq, xd, K, nb, p1, c1);
+    }
+    for (; j < nb; j += 2) run_products(type, R, row, j, j + 1 == nb, xq, xd, K, nb, p0, c0);
+    for (int m = 0; m < R; m++)
+        y[m * ldy] = _mm512_reduce_add_ps(
+            _mm512_add_ps(_mm512_add_ps(p0[m], p1[m]), _mm512_add_ps(c0[m], c1[m])));
+}
+
+#elif defined(__AVX2__)
+/* Weight run j against x rows [0, R): acc_p[r] += (lanes of <u, q>) * s * d, acc_c[r] +=
+ * c * (d * sums / 4). Inlined with R constant, so the accumulators are registers. */
+static inline __attribute__((always_inline)) void run_products(
+    int type, int R, const uint8_t *row, int64_t j, const int8_t *xq, const float *xd, int64_t K,
+    int64_t nb, __m256 *acc_p, __m256 *acc_c) {
+    const run_t r = unpack(type, row, j);
+    const __m256i w = (__m256i)r.u, u = type == T_Q8_0 ? _mm256_abs_epi8(w) : w;
+    const __m256 s = half_lanes(r.sa, r.sb), c = half_lanes(r.ca, r.cb);
+    for (int m = 0; m < R; m++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * j));
+        if (type == T_Q8_0) q = _mm256_sign_epi8(q, w);
+        const float *e = xd + m * 16 * nb + 8 * j;
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(u, q)), s);
+        acc_p[m] = _mm256_fmadd_ps(p, _mm256_loadu_ps(e), acc_p[m]);
+        if (type != T_Q8_0) acc_c[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(e + 8 * nb), acc_c[m]);
+    }
+}
+
+/* y[m * ldy] for x rows [0, R) against one weight row. Two sets of accumulators take even and
+ * odd runs, so consecutive FMAs into one register do not wait on each other (latency 4). */
+static inline __attribute__((always_inline)) void row_tile(int type, int R, const uint8_t *row,
+                                                           const int8_t *xq, const float *xd,
+                                                           int64_t K, float *y, int64_t ldy) {
+    const int64_t nb = K / 32;
+    __m256 p0[TILE], p1[TILE], c0[TILE], c1[TILE];
+    for (int m = 0; m < R; m++) p0[m] = p1[m] = c0[m] = c1[m] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 1 < nb; j += 2) {
+        run_products(type, R, row, j, xq, xd, K, nb, p0, c0);
+        run_products(type, R, row, j + 1, xq, xd, K, nb, p1, c1);
+    }
+    if (j < nb) run_products(type, R, row, j, xq, xd, K, nb, p0, c0);
+    for (int m = 0; m < R; m++)
+        y[m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(p0[m], p1[m]), _mm256_add_ps(c0[m], c1[m])));
+}
+#endif
+
+/* y[m, n] for M <= MAX_M rows of x against weight rows [n0, n1) of one type. */
+static inline __attribute__((always_inline)) void rows_of_type(
+    int type, const int8_t *xq, const float *xd, const uint8_t *W, int64_t row_bytes, float *y,
+    int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy) {
+    const int64_t nb = K / 32;
+#if defined(__AVX2__)
+    /* x tile outside, weight rows inside: a tile's codes (TILE rows) stay in L1 while the
+     * task's few weight rows stream past them. */
+    for (int64_t m = 0; m < M; m += TILE) {
+        const int8_t *q = xq + m * K;
+        const float *e = xd + m * 16 * nb;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = W + n * row_bytes;
+            float *out = y + m * ldy + n;
+            switch (M - m < TILE ? M - m : TILE) {
+            case 1: row_tile(type, 1, row, q, e, K, out, ldy); break;
+            case 2: row_tile(type, 2, row, q, e, K, out, ldy); break;
+            case 3: row_tile(type, 3, row, q, e, K, out, ldy); break;
+            default: row_tile(type, 4, row, q, e, K, out, ldy); break;
+            }
+        }
+    }
+#else
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = W + n * row_bytes;
+        float acc[MAX_M] = {0};
+        for (int64_t j = 0; j < nb; j++) {
+            const run_t r = unpack(type, row, j);
+            for (int64_t m = 0; m < M; m++) {
+                const int8_t *q = xq + m * K + 32 * j;
+                const float *e = xd + m * 16 * nb + 8 * j, *c = e + 8 * nb;
+                for (int lane = 0; lane < 8; lane++) { /* as the vector lanes: 4 codes each */
+                    int32_t dot = 0;
+                    for (int i = 4 * lane; i < 4 * lane + 4; i++)
+                        dot += (type == T_Q8_0 ? (int8_t)r.u[i] : r.u[i]) * q[i];
+                    acc[m] += e[lane] * (lane < 4 ? r.sa : r.sb) * (float)dot +
+                              (lane < 4 ? r.ca : r.cb) * c[lane];
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * ldy + n] = acc[m];
+    }
+#endif
+}
+
+#define TYPE_KERNEL(T)                                                                         \
+    static void rows_##T(const int8_t *xq, const float *xd, const uint8_t *W, int64_t rb,      \
+                         float *y, int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy) { \
+        rows_of_type(T, xq, xd, W, rb, y, M, n0, n1, K, ldy);                                   \
+    }
+TYPE_KERNEL(T_Q4_0)
+TYPE_KERNEL(T_Q4_1)
+TYPE_KERNEL(T_Q5_0)
+TYPE_KERNEL(T_Q5_1)
+TYPE_KERNEL(T_Q8_0)
+TYPE_KERNEL(T_Q4_K)
+TYPE_KERNEL(T_Q5_K)
+TYPE_KERNEL(T_Q6_K)
+
+typedef void (*rows_fn)(const int8_t *, const float *, const uint8_t *, int64_t,
+                        float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+enum { CHUNK = 16 }; /* weight rows per task: a thread's rows stay contiguous in memory */
+
+static int kernel_for(int type, rows_fn *fn, int64_t *values, int64_t *bytes) {
+    switch (type) {
+    case T_Q4_0: *fn = rows_T_Q4_0; *values = 32; *bytes = 18; return 1;
+    case T_Q4_1: *fn = rows_T_Q4_1; *values = 32; *bytes = 20; return 1;
+    case T_Q5_0: *fn = rows_T_Q5_0; *values = 32; *bytes = 22; return 1;
+    case T_Q5_1: *fn = rows_T_Q5_1; *values = 32; *bytes = 24; return 1;
+    case T_Q8_0: *fn = rows_T_Q8_0; *values = 32; *bytes = 34; return 1;
+    case T_Q4_K: *fn = rows_T_Q4_K; *values = 256; *bytes = 144; return 1;
+    case T_Q5_K: *fn = rows_T_Q5_K; *values = 256; *bytes = 176; return 1;
+    case T_Q6_K: *fn = rows_T_Q6_K; *values = 256; *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+/* What a decoder layer does around a product, folded into the call so that a decode step pays
+ * one call instead of a handful of small tensor ops (each costs more than its arithmetic). */
+typedef struct {
+    const float *norm; /* RMSNorm each x row first: x * rsqrt(mean(x^2) + eps) * norm[k] */
+    float eps;
+    int32_t gated;          /* x rows are [gate | up], 2K wide: the input is silu(gate) * up */
+    const float *residual;  /* y = residual + product (may be y itself), rows ldr apart */
+    int64_t ldr;
+    const float *cos, *sin; /* rotate-half RoPE over y's first rope_cols columns, [M, D/2] */
+    int64_t rope_cols, head_dim;
+} q8_options;
+
+/* e^x for the MLP's SiLU, as Cephes' expf (n ln2 + r, a degree-6 polynomial in r, times 2^n;
+ * about 1 ulp), written so that the compiler vectorizes the loop it sits in (libm's expf is a
+ * call per element: a quarter of the gated product's time at one row). */
+#pragma omp declare simd
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* not fminf: it stops vectorizing */
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* Row m of the product's input, after the options' norm or gating, into out[K]. */
+static void prepare_row(const float *x, int64_t K, const q8_options *o, float *out) {
+    if (o && o->gated) {
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) {
+            const float g = x[k];
+            out[k] = g / (1.0f + exp_poly(-g)) * x[K + k];
+        }
+    } else if (o && o->norm) {
+        float ss = 0.0f;
+        for (int64_t k = 0; k < K; k++) ss += x[k] * x[k];
+        const float r = 1.0f / sqrtf(ss / (float)K + o->eps);
+        for (int64_t k = 0; k < K; k++) out[k] = x[k] * r * o->norm[k];
+    } else {
+        memcpy(out, x, sizeof(float) * (size_t)K);
+    }
+}
+
+/* RoPE on y's first rope_cols columns (whole heads), then the residual add. */
+static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_options *o) {
+    if (!o) return;
+    if (o->cos) {
+        const int64_t half = o->head_dim / 2;
+        for (int64_t m = 0; m < M; m++) {
+            const float *c = o->cos + m * half, *sn = o->sin + m * half;
+            for (int64_t h = 0; h < o->rope_cols; h += o->head_dim) {
+                float *a = y + m * ldy + h, *b = a + half;
+                for (int64_t i = 0; i < half; i++) {
+                    const float x1 = a[i], x2 = b[i];
+                    a[i] = x1 * c[i] - x2 * sn[i];
+                    b[i] = x2 * c[i] + x1 * sn[i];
+                }
+            }
+        }
+    }
+    if (o->residual)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * ldy + n] += o->residual[m * o->ldr + n];
+}
+
+enum { MAX_PARTS = 8 };
+
+/* Weights [N_p, K] in their GGUF bytes, each of its own type, that one product multiplies: their
+ * outputs are consecutive column ranges (a fused q/k/v or gate/up). */
+typedef struct {
+    int64_t num_parts, K;
+    const uint8_t *W[MAX_PARTS];
+    int32_t types[MAX_PARTS];
+    int64_t N[MAX_PARTS];
+} q8_weights;
+
+/* y[M, sum N_p] = q8(x')[M, K] . [W_0; W_1; ...]^T, x' = x after the options' norm or gating.
+ * x' is quantized here (kvmemo_quantize_q8), and one parallel loop covers every part, so a small
+ * part (k, v) does not run on its own. opts may be NULL. Status 0 on success, 1 for a type this
+ * kernel does not read (or a bad part count), 2 for K not a whole number of a part's blocks, 3
+ * when out of memory. */
+int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weights *w, float *y,
+                           int64_t ldy, const q8_options *opts) {
+    rows_fn fn[MAX_PARTS];
+    int64_t row_bytes[MAX_PARTS], first_chunk[MAX_PARTS + 1], column[MAX_PARTS];
+    const int64_t K = w->K, num_parts = w->num_parts;
+    if (num_parts < 1 || num_parts > MAX_PARTS) return 1;
+    first_chunk[0] = 0;
+    for (int64_t p = 0; p < num_parts; p++) {
+        int64_t values, bytes;
+        if (!kernel_for(w->types[p], &fn[p], &values, &bytes)) return 1;
+        if (K % values) return 2;
+        row_bytes[p] = K / values * bytes;
+        column[p] = p ? column[p - 1] + w->N[p - 1] : 0;
+        first_chunk[p + 1] = first_chunk[p] + (w->N[p] + CHUNK - 1) / CHUNK;
+    }
+    const int64_t nb = K / 32, chunks = first_chunk[num_parts];
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc(sizeof(float) * (size_t)(M * 16 * nb));
+    float *row = malloc(sizeof(float) * (size_t)K);
+    if (!xq || !xd || !row) {
+        free(xq);
+        free(xd);
+        free(row);
+        return 3;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        prepare_row(x + m * ldx, K, opts, row);
+        kvmemo_quantize_q8(row, 1, K, K, xq + m * K, xd + m * 16 * nb);
+    }
+    free(row);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+        const int64_t rows = M - m0 < MAX_M ? M - m0 : MAX_M;
+        const int8_t *q = xq + m0 * K;
+        const float *e = xd + m0 * 16 * nb;
+#pragma omp parallel for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t p = 0;
+            while (c >= first_chunk[p + 1]) p++;
+            const int64_t n0 = (c - first_chunk[p]) * CHUNK;
+            const int64_t n1 = n0 + CHUNK < w->N[p] ? n0 + CHUNK : w->N[p];
+            fn[p](q, e, w->W[p], row_bytes[p], y + m0 * ldy + column[p], rows, n0, n1, K, ldy);
+        }
+    }
+    free(xq);
+    free(xd);
+    finish_rows(y, M, column[num_parts - 1] + w->N[num_parts - 1], ldy, opts);
+    return 0;
+}
+
+/* A Llama layer after attention, for M tokens: h = hidden + o_proj(attn); out = h +
+ * down(silu(gate) * up) with [gate | up] = gate_up(rmsnorm(h) * norm). out [M, H] may be hidden.
+ * Why one call: three products and the small ops between them, with no return to Python. */
+int kvmemo_q8_mlp_block(const float *attn, int64_t lda, const float *hidden, int64_t ldh,
+                        int64_t M, const q8_weights *o_proj, const float *norm, float eps,
+                        const q8_weights *gate_up, const q8_weights *down, float *out,
+                        int64_t ldo) {
+    const int64_t H = o_proj->N[0], I2 = gate_up->N[0] + gate_up->N[1];
+    if (o_proj->num_parts != 1 || gate_up->num_parts != 2 || down->num_parts != 1) return 1;
+    float *h = malloc(sizeof(float) * (size_t)(M * H)), *gu = malloc(sizeof(float) * (size_t)(M * I2));
+    if (!h || !gu) {
+        free(h);
+        free(gu);
+        return 3;
+    }
+    q8_options o = {0};
+    o.residual = hidden;
+    o.ldr = ldh;
+    int status = kvmemo_quant_linear_q8(attn, M, lda, o_proj, h, H, &o);
+    if (!status) {
+        q8_options n = {0};
+        n.norm = norm;
+        n.eps = eps;
+        status = kvmemo_quant_linear_q8(h, M, H, gate_up, gu, I2, &n);
+    }
+    if (!status) {
+        q8_options g = {0};
+        g.gated = 1;
+        g.residual = h;
+        g.ldr = H;
+        status = kvmemo_quant_linear_q8(gu, M, I2, down, out, ldo, &g);
+    }
+    free(h);
+    free(gu);
+    return status;
+}

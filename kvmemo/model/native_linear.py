@@ -1,0 +1,124 @@
+"""NativeLinear: a projection over GGUF weights kept at their own bits, with the Linear interface.
+
+Invariant: equals F.linear(x, dequantized weight) (+ bias), to fp32 rounding for F16/BF16/dense
+parts and for every part on more than MAX_KERNEL_ROWS rows, and with x rounded to int8 per 32
+values for quantized parts on fewer rows (quant_int8.py states that bound). Why the split: a
+decode step (a few rows) is bound by reading every weight, which the kernels do in place; a
+prefill chunk (hundreds of rows) is bound by arithmetic, where oneDNN's GEMM on a dequantized
+copy is several times faster than any few-row kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvmemo.model import quant_int8
+from kvmemo.model.linear_kernels import onednn_available, onednn_matmul
+from kvmemo.model.quant_linear import QuantizedWeight, quant_linear
+
+# The kernels up to this many rows, dequantize + oneDNN above: a 32-row decode batch ran faster
+# in the kernel (dequantizing Gemma's 262k-row head every step cost more).
+MAX_KERNEL_ROWS = 32
+
+
+class NativeLinear:
+    """A weight made of one or more row blocks (a fused q/k/v or gate/up may mix GGUF types),
+    each quantized or dense fp32.
+
+    Up to MAX_KERNEL_ROWS rows (decode batches, logits): consecutive quantized parts run as one
+    int8-kernel call on their GGUF bytes (x quantized once, one parallel loop over all their
+    rows); F16/BF16 parts run the fp32-activation kernel, each writing its columns. More rows
+    (prefill) dequantize the parts into one weight for that call and multiply with oneDNN, so
+    nothing dense is kept between calls.
+    """
+
+    __slots__ = ("parts", "bias", "num_out", "_plan")
+
+    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None):
+        self.parts = parts
+        self.bias = None if bias is None else bias.detach()
+        self.num_out = sum(p.shape[0] for p in parts)
+        self._plan = _few_row_plan(parts)
+
+    packed_bytes = 0
+    packed_only = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
+                   for p in self.parts)
+
+    def dense(self) -> torch.Tensor:
+        """The whole weight [N, K] in fp32 (dequantized now)."""
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float()
+                          for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] > MAX_KERNEL_ROWS:
+            out = self._gemm(x2)
+        else:
+            out = self._few_rows(x2)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*shape[:-1], self.num_out)
+
+    def single_int8_call(self) -> quant_int8.Int8Weights | None:
+        """The Int8Weights that is the whole few-row product, when it is one call."""
+        if len(self._plan) == 1 and isinstance(self._plan[0][0], quant_int8.Int8Weights):
+            return self._plan[0][0]
+        return None
+
+    def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
+        # oneDNN takes the plain dequantized weight (it reorders internally: 3.9 ms where MKL
+        # took 8.7 for 1,024 x 576 x 1,536 fp32 on Zen 5), in the compute dtype.
+        dtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        weight = self.dense().to(dtype)
+        if onednn_available(dtype) and x2.device.type == "cpu":
+            return onednn_matmul(x2.to(dtype).contiguous(), weight, None).float()
+        return F.linear(x2.to(dtype), weight).float()
+
+    def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        x32 = x2.float().contiguous()
+        single = self.single_int8_call()
+        if single is not None:
+            return single(x32)  # every part in one kernel call (the common case)
+        out = torch.empty(x2.shape[0], self.num_out, dtype=torch.float32)
+        for step, start, end in self._plan:
+            if isinstance(step, quant_int8.Int8Weights):
+                step(x32, out[:, start:end])
+            elif isinstance(step, QuantizedWeight):
+                quant_linear(x32, step, out[:, start:end])
+            else:
+                out[:, start:end] = F.linear(x32, step.float())
+        return out
+
+
+_Step = quant_int8.Int8Weights | QuantizedWeight | torch.Tensor
+
+
+def _few_row_plan(parts: list[QuantizedWeight | torch.Tensor]) -> list[tuple[_Step, int, int]]:
+    """The parts as kernel calls with their output columns: runs of parts the int8 kernel reads
+    become one call each; F16/BF16 parts go to the fp32-activation kernel, dense ones to
+    F.linear."""
+    plan: list[tuple[_Step, int, int]] = []
+    run: list[QuantizedWeight] = []
+    start = column = 0
+    for part in parts:
+        if isinstance(part, QuantizedWeight) and quant_int8.reads(part) and (
+            len(run) < quant_int8.Int8Weights.MAX_PARTS
+        ):
+            if not run:
+                start = column
+            run.append(part)
+        else:
+            if run:
+                plan.append((quant_int8.Int8Weights(run), start, column))
+                run = []
+            plan.append((part, column, column + part.shape[0]))
+        column += part.shape[0]
+    if run:
+        plan.append((quant_int8.Int8Weights(run), start, column))
+    return plan

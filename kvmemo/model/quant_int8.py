@@ -1,0 +1,248 @@
+"""Products of few-row activations, quantized to int8, with GGUF-quantized weights.
+
+Invariant: Int8Weights([w])(x) equals F.linear(x', w.dequantize()) to fp32 rounding, where x' is
+x rounded to int8 codes per GROUP (4) values (scale amax / 127: quantize_activations), so it
+differs from F.linear(x, W) by at most sum_k |W[n, k]| * scale_k / 2 (kernels/quant_int8.c).
+Why: the integer dot product of 32 codes is one VNNI instruction (AVX512-VNNI, AVX-VNNI; two on
+AVX2), where the fp32-activation kernel (quant_linear.py) dequantizes each weight block to floats
+first; a decode step reads every weight once, and this is what llama.cpp does on CPU (with a
+scale per 32 values; per 4 keeps SmolLM2's teacher-forced agreement with fp32 above 98%, see
+docs/benchmarks.md). The fp32-activation kernel stays for F16/BF16 weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+import torch
+from gguf import GGMLQuantizationType
+
+from kvmemo.model.quant_linear import QuantizedWeight
+from kvmemo.native import load_library
+
+SOURCE = Path(__file__).with_name("kernels") / "quant_int8.c"
+T = GGMLQuantizationType
+INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+BLOCK = 32  # values per weight run (the kernel's unit; K must be a multiple)
+GROUP = 4  # activation values per int8 scale (kernels/quant_int8.c)
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class _Library:
+    quantize: Callable[..., int]
+    linear: Callable[..., int]
+    mlp_block: Callable[..., int]
+
+
+@cache
+def kernel_library(march: str = "native") -> _Library | None:
+    """The kernel built for this CPU (or for `march`: tests run the AVX2 and plain-C paths of an
+    AVX-512 machine through "x86-64-v3" and "x86-64"), or None without a C compiler."""
+    library = load_library(SOURCE, "quantized weights use the fp32-activation kernel instead",
+                           march)
+    if library is None:
+        return None
+    quantize = library.kvmemo_quantize_q8
+    quantize.restype = ctypes.c_int
+    quantize.argtypes = [_p, _i64, _i64, _i64, _p, _p]
+    linear = library.kvmemo_quant_linear_q8
+    linear.restype = ctypes.c_int
+    linear.argtypes = [_p, _i64, _i64, _p, _p, _i64, _p]
+    mlp_block = library.kvmemo_q8_mlp_block
+    mlp_block.restype = ctypes.c_int
+    mlp_block.argtypes = [_p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_float, _p, _p, _p, _i64]
+    return _Library(quantize, linear, mlp_block)
+
+
+MAX_PARTS = 8  # the kernel's limit of weights per product
+
+
+class _Weights(ctypes.Structure):
+    """The C kernel's q8_weights."""
+
+    _fields_ = [
+        ("num_parts", _i64), ("K", _i64), ("W", _p * MAX_PARTS),
+        ("types", ctypes.c_int32 * MAX_PARTS), ("N", _i64 * MAX_PARTS),
+    ]
+
+
+class _Options(ctypes.Structure):
+    """The C kernel's q8_options."""
+
+    _fields_ = [
+        ("norm", _p), ("eps", ctypes.c_float), ("gated", ctypes.c_int32),
+        ("residual", _p), ("ldr", _i64), ("cos", _p), ("sin", _p),
+        ("rope_cols", _i64), ("head_dim", _i64),
+    ]
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Work folded into one Int8Weights call (a decode step's small ops, see the C options).
+
+    norm: RMSNorm each x row first (x * rsqrt(mean(x^2) + eps) * norm), fp32 [K].
+    gated: x rows are [gate | up] (2K wide) and the input is silu(gate) * up.
+    residual: the output is residual + product (residual [M, N] fp32, may be the output).
+    rope: (cos, sin [M, D/2] fp32 contiguous, columns, head_dim): rotate-half RoPE over the
+    output's first `columns` columns.
+    """
+
+    norm: torch.Tensor | None = None
+    eps: float = 0.0
+    gated: bool = False
+    residual: torch.Tensor | None = None
+    rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+
+def _library() -> _Library | None:
+    return kernel_library()
+
+
+def int8_kernel_available() -> bool:
+    return _library() is not None
+
+
+def reads(weight: QuantizedWeight) -> bool:
+    """This kernel serves the weight (its type, and a built kernel)."""
+    return weight.qtype in INT8_TYPES and _library() is not None
+
+
+class Int8Weights:
+    """Quantized weights [N_p, K] that one kernel call multiplies, writing consecutive column
+    ranges of one output (a fused q/k/v or gate/up, which may mix GGUF types)."""
+
+    MAX_PARTS = MAX_PARTS
+
+    def __init__(self, weights: Sequence[QuantizedWeight]) -> None:
+        if not 1 <= len(weights) <= MAX_PARTS:
+            raise ValueError(f"1 to {MAX_PARTS} weights per call, got {len(weights)}")
+        for w in weights:
+            if w.qtype not in INT8_TYPES:
+                supported = ", ".join(sorted(t.name for t in INT8_TYPES))
+                raise ValueError(f"tensor {w.name!r}: the int8 kernel does not read "
+                                 f"{w.qtype.name}; it reads {supported}")
+            if w.num_cols != weights[0].num_cols:
+                raise ValueError(f"tensor {w.name!r} has {w.num_cols} columns, "
+                                 f"{weights[0].name!r} {weights[0].num_cols}: one call needs one K")
+        if weights[0].num_cols % BLOCK:
+            raise ValueError(f"tensor {weights[0].name!r}: K={weights[0].num_cols} is not a "
+                             f"multiple of {BLOCK}")
+        self.weights = tuple(weights)  # keeps the bytes the pointers below point into alive
+        self.num_cols = weights[0].num_cols
+        self.num_out = sum(w.shape[0] for w in weights)
+        self.struct = _Weights(num_parts=len(weights), K=self.num_cols)
+        for i, w in enumerate(weights):
+            self.struct.W[i] = w.data.data_ptr()
+            self.struct.types[i] = int(w.qtype)
+            self.struct.N[i] = w.shape[0]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 fused: Fused | None = None) -> torch.Tensor:
+        """x [M, K] fp32 (CPU, unit column stride; [M, 2K] when fused.gated) -> q8(x) . W^T
+        [M, N] fp32 (or into `out`, [M, N] with unit column stride, e.g. a column slice of a
+        wider output)."""
+        lib = _require()
+        width = self.num_cols * (2 if fused is not None and fused.gated else 1)
+        if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32:
+            raise ValueError(f"x must be fp32 [M, {width}] for "
+                             f"{self.weights[0].name!r}, got {x.dtype} {tuple(x.shape)}")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, self.num_out, dtype=torch.float32)
+        if out.dtype != torch.float32 or out.stride(1) != 1 or out.shape != (rows, self.num_out):
+            raise ValueError("out must be fp32 [M, N] with unit column stride")
+        options = None if fused is None else self._options(fused, rows)
+        status = lib.linear(
+            x.data_ptr(), rows, x.stride(0), ctypes.byref(self.struct), out.data_ptr(),
+            out.stride(0), None if options is None else ctypes.byref(options),
+        )
+        if status == 3:
+            raise MemoryError("int8 kernel: no memory for the quantized activations")
+        assert status == 0, f"quant_linear_q8 status {status}"
+        return out
+
+    def _options(self, fused: Fused, rows: int) -> _Options:
+        options = _Options(eps=fused.eps, gated=int(fused.gated))
+        if fused.norm is not None:
+            if fused.norm.dtype != torch.float32 or fused.norm.shape != (self.num_cols,):
+                raise ValueError(f"norm must be fp32 [{self.num_cols}]")
+            options.norm = fused.norm.data_ptr()
+        if fused.residual is not None:
+            residual = fused.residual
+            if (residual.dtype != torch.float32 or residual.shape != (rows, self.num_out)
+                    or residual.stride(1) != 1):
+                raise ValueError(f"residual must be fp32 [{rows}, {self.num_out}], unit stride")
+            options.residual, options.ldr = residual.data_ptr(), residual.stride(0)
+        if fused.rope is not None:
+            cos, sin, columns, head_dim = fused.rope
+            for t in (cos, sin):
+                if t.dtype != torch.float32 or t.shape != (rows, head_dim // 2) or (
+                        not t.is_contiguous()):
+                    raise ValueError(f"rope cos/sin must be contiguous fp32 [{rows}, "
+                                     f"{head_dim // 2}]")
+            if columns % head_dim or columns > self.num_out:
+                raise ValueError(f"rope columns {columns}: whole heads of {head_dim} within "
+                                 f"{self.num_out}")
+            options.cos, options.sin = cos.data_ptr(), sin.data_ptr()
+            options.rope_cols, options.head_dim = columns, head_dim
+        return options
+
+
+def mlp_block(attn: torch.Tensor, hidden: torch.Tensor, o_proj: Int8Weights,
+              norm: torch.Tensor, eps: float, gate_up: Int8Weights, down: Int8Weights
+              ) -> torch.Tensor:
+    """A Llama layer after attention in one call: h = hidden + o_proj(attn), then
+    h + down(silu(gate) * up) with [gate | up] = gate_up(rmsnorm(h) * norm). attn [M, q_size],
+    hidden [M, H] fp32 with unit column stride; gate_up has exactly two parts (gate, up)."""
+    lib = _require()
+    rows = hidden.shape[0]
+    if len(gate_up.weights) != 2 or len(o_proj.weights) != 1 or len(down.weights) != 1:
+        raise ValueError("mlp_block takes one o_proj and down weight and two gate/up weights")
+    for t, cols in ((attn, o_proj.num_cols), (hidden, o_proj.num_out)):
+        if t.dtype != torch.float32 or t.shape != (rows, cols) or t.stride(1) != 1:
+            raise ValueError(f"expected fp32 [{rows}, {cols}] with unit column stride, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    out = torch.empty(rows, down.num_out, dtype=torch.float32)
+    status = lib.mlp_block(
+        attn.data_ptr(), attn.stride(0), hidden.data_ptr(), hidden.stride(0), rows,
+        ctypes.byref(o_proj.struct), norm.data_ptr(), eps, ctypes.byref(gate_up.struct),
+        ctypes.byref(down.struct), out.data_ptr(), out.stride(0),
+    )
+    if status == 3:
+        raise MemoryError("int8 kernel: no memory for the MLP block's intermediates")
+    assert status == 0, f"q8_mlp_block status {status}"
+    return out
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32, K a multiple of 32 -> (codes int8 [M, K], scales fp32 [M, K/GROUP]):
+    the quantization the kernel applies (what the product's error bound is stated against)."""
+    lib = _require()
+    if x.dim() != 2 or x.shape[1] % BLOCK or x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32 [M, K] with K a multiple of {BLOCK}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    rows, cols = x.shape
+    codes = torch.empty(rows, cols, dtype=torch.int8)
+    lanes = GROUP // 4  # the kernel's layout: a scale per lane of 4 codes
+    layout = torch.empty(rows, 2, cols // BLOCK, BLOCK // GROUP, lanes, dtype=torch.float32)
+    status = lib.quantize(
+        x.data_ptr(), rows, cols, x.stride(0), codes.data_ptr(), layout.data_ptr()
+    )
+    assert status == 0, f"quantize_q8 status {status}"
+    return codes, layout[:, 0, :, :, 0].reshape(rows, cols // GROUP)
+
+
+def _require() -> _Library:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the int8-activation kernel could not be built (no C compiler?)")
+    return lib

@@ -1,0 +1,36 @@
+"""kvmemo.native builds a kernel per source, local headers, flags and CPU: a changed header is a
+new build (not a stale cached one), and `march` builds for another target beside the native one."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+
+import pytest
+
+from kvmemo.native import load_library
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler")
+
+
+def _value(library: ctypes.CDLL | None) -> int:
+    assert library is not None
+    library.answer.restype = ctypes.c_int
+    return int(library.answer())
+
+
+def test_a_changed_local_header_rebuilds_the_kernel(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVMEMO_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "k.c"
+    source.write_text('#include "k.h"\nint answer(void) { return VALUE; }\n')
+    (tmp_path / "k.h").write_text("#define VALUE 41\n")
+    assert _value(load_library(source, "test")) == 41
+    (tmp_path / "k.h").write_text("#define VALUE 42\n")  # the .c file is unchanged
+    assert _value(load_library(source, "test")) == 42
+    built = sorted(p.name for p in (tmp_path / "cache" / "kernels").glob("k-*.so"))
+    assert len(built) == 2
+    if platform.machine() == "x86_64":  # another target: its own build beside the native one
+        assert _value(load_library(source, "test", march="x86-64")) == 42
+        assert len(list((tmp_path / "cache" / "kernels").glob("k-*.so"))) == 3

@@ -1,0 +1,202 @@
+"""The int8-activation kernel (quant_int8.py) against gguf-py and torch.
+
+Products equal F.linear of the int8-rounded activations and gguf.quants.dequantize's weights to
+fp32 rounding, for every type it reads, over row tails (M up to 33, tiles of 4), output tails and
+odd block counts (the 512-bit path takes blocks in pairs); and they stay within the stated bound
+of F.linear on the exact activations. The same checks run through the kernel built for AVX2
+(x86-64-v3) and plain C (x86-64) where this CPU can run them, so every path is tested on any
+machine that has it. The fused options (norm, SiLU gating, residual, RoPE, the MLP block) are
+checked against torch doing the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvmemo.model import quant_int8
+from kvmemo.model.layers import apply_rotary
+from kvmemo.model.quant_int8 import (
+    GROUP,
+    INT8_TYPES,
+    Fused,
+    Int8Weights,
+    int8_kernel_available,
+    mlp_block,
+    quantize_activations,
+)
+from kvmemo.model.quant_linear import QuantizedWeight
+from tests.model.test_quant_linear import random_blocks
+
+pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="no C compiler")
+T = GGMLQuantizationType
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _builds() -> list[str]:
+    """The kernel builds this machine runs: its own, then the AVX2 and plain-C paths."""
+    builds = ["native"]
+    if platform.machine() == "x86_64":
+        if {"avx2", "fma", "f16c", "bmi2"} <= _cpu_flags():
+            builds.append("x86-64-v3")
+        builds.append("x86-64")
+    return builds
+
+
+@pytest.fixture(params=_builds())
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    library = quant_int8.kernel_library(request.param)
+    if library is None:
+        pytest.skip(f"the kernel does not build for {request.param}")
+    monkeypatch.setattr(quant_int8, "_library", lambda: library)
+    return request.param
+
+
+def _weight(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int
+            ) -> tuple[QuantizedWeight, torch.Tensor]:
+    raw = random_blocks(qtype, rows, cols, seed)
+    dense = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    return QuantizedWeight.from_numpy(f"w.{qtype.name}", qtype, raw), dense
+
+
+def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x after the kernel's quantization (its codes times their scales) and the scales [M, K]."""
+    codes, scales = quantize_activations(x)
+    per_value = scales.repeat_interleave(GROUP, dim=1)
+    return codes.float() * per_value, per_value
+
+
+def test_activation_codes_are_round_to_nearest_with_scale_amax_over_127() -> None:
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
+    x[2, 32:48] = 0.0  # an all-zero group: scale 0, codes 0
+    codes, scales = quantize_activations(x)
+    amax = x.abs().view(5, 96 // GROUP, GROUP).amax(-1)  # a scale per GROUP values
+    torch.testing.assert_close(scales, amax * (1 / 127), rtol=1e-6, atol=0)
+    ratio = x.view(5, 96 // GROUP, GROUP) / scales.clamp_min(1e-30)[..., None]
+    expected = torch.round(ratio).view(5, 96)
+    near_half = ((ratio.view(5, 96).abs() % 1) - 0.5).abs() < 1e-4  # either rounding is right
+    assert bool(((codes.float() == expected) | near_half).all())
+    assert int(codes.abs().max()) == 127 and bool((codes[2, 32:48] == 0).all())
+
+
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_products_equal_linear_of_rounded_activations(qtype: GGMLQuantizationType, build: str) -> None:
+    values, _ = GGML_QUANT_SIZES[qtype]
+    unit = max(values, 32)
+    for num_rows in (1, 3, 4, 5, 33):
+        for num_out, num_cols in ((13, 3 * unit), (40, 6 * unit), (17, unit)):
+            weight, dense = _weight(qtype, num_out, num_cols, seed=num_rows + num_out)
+            x = torch.randn(num_rows, num_cols, generator=torch.Generator().manual_seed(num_out))
+            got = Int8Weights([weight])(x)
+            rounded, scale = _rounded(x)
+            expected = F.linear(rounded.double(), dense.double())
+            magnitude = F.linear(rounded.abs().double(), dense.abs().double())
+            assert bool(((got.double() - expected).abs() <= 2e-6 * magnitude + 1e-6).all()), (
+                qtype.name, num_rows, num_out, num_cols)
+            # and against the exact activations: at most half a code per value
+            bound = F.linear(scale.double() / 2, dense.abs().double())
+            exact = F.linear(x.double(), dense.double())
+            assert bool(((got.double() - exact).abs() <= bound * 1.001 + 1e-5).all())
+
+
+def test_parts_of_mixed_types_write_consecutive_columns(build: str) -> None:
+    parts = [_weight(t, n, 256, seed=i) for i, (t, n) in enumerate(
+        [(T.Q4_K, 20), (T.Q8_0, 7), (T.Q4_1, 16), (T.Q6_K, 3)])]
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3))
+    out = torch.full((6, 50), float("nan"))
+    Int8Weights([w for w, _ in parts])(x, out[:, 2:48])
+    rounded, _ = _rounded(x)
+    expected = F.linear(rounded, torch.cat([d for _, d in parts]))
+    torch.testing.assert_close(out[:, 2:48], expected, rtol=1e-5, atol=1e-4)
+    assert bool(out[:, :2].isnan().all() and out[:, 48:].isnan().all())  # nothing outside
+
+
+def test_fused_norm_gating_residual_and_rope_match_torch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight, dense = _weight(T.Q4_0, 4 * 64, 128, seed=9)
+    x = torch.randn(3, 128, generator=gen)
+    norm = torch.rand(128, generator=gen) + 0.5
+    got = Int8Weights([weight])(x, fused=Fused(norm=norm, eps=1e-5))
+    _check_within_bound(got, F.rms_norm(x, (128,), norm, 1e-5), dense)
+
+    gate_up = torch.randn(3, 256, generator=gen)
+    got = Int8Weights([weight])(gate_up, fused=Fused(gated=True))
+    _check_within_bound(got, F.silu(gate_up[:, :128]) * gate_up[:, 128:], dense)
+
+    residual = torch.randn(3, 256, generator=gen)
+    plain = Int8Weights([weight])(x)
+    torch.testing.assert_close(Int8Weights([weight])(x, fused=Fused(residual=residual)),
+                               plain + residual)
+
+    positions = torch.tensor([0, 5, 700])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    angles = positions[:, None].float() * inv_freq  # [3, 32]
+    cos, sin = angles.cos(), angles.sin()
+    got = Int8Weights([weight])(x, fused=Fused(rope=(cos, sin, 3 * 64, 64)))
+    rotated = apply_rotary(plain[:, : 3 * 64].view(3, 3, 64), cos[:, None], sin[:, None])
+    torch.testing.assert_close(got[:, : 3 * 64], rotated.reshape(3, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, 3 * 64 :], plain[:, 3 * 64 :])  # the last head: no RoPE
+
+
+def _check_within_bound(got: torch.Tensor, prepared: torch.Tensor, dense: torch.Tensor) -> None:
+    """got = q8(prepared) . dense^T: within half a code per value of the exact product (the
+    kernel prepares in another float order, so a code may round the other way)."""
+    _, scale = _rounded(prepared)
+    bound = F.linear(scale.double() / 2, dense.abs().double())
+    exact = F.linear(prepared.double(), dense.double())
+    assert bool(((got.double() - exact).abs() <= bound * 1.01 + 1e-4).all())
+
+
+def test_mlp_block_is_attention_residual_then_gated_mlp() -> None:
+    gen = torch.Generator().manual_seed(5)
+    hidden_size, inter = 64, 96
+    o_proj, o_dense = _weight(T.Q8_0, hidden_size, 64, seed=1)
+    gate, gate_dense = _weight(T.Q4_1, inter, hidden_size, seed=2)
+    up, up_dense = _weight(T.Q5_0, inter, hidden_size, seed=3)
+    down, down_dense = _weight(T.Q8_0, hidden_size, inter, seed=4)
+    attn, hidden = torch.randn(2, 64, generator=gen), torch.randn(2, hidden_size, generator=gen)
+    norm = torch.rand(hidden_size, generator=gen) + 0.5
+    got = mlp_block(attn, hidden, Int8Weights([o_proj]), norm, 1e-6,
+                    Int8Weights([gate, up]), Int8Weights([down]))
+    h = hidden + F.linear(attn, o_dense)
+    normed = F.rms_norm(h, (hidden_size,), norm, 1e-6)
+    expected = h + F.linear(F.silu(F.linear(normed, gate_dense)) * F.linear(normed, up_dense),
+                            down_dense)
+    # three int8 roundings in a row (random weights make large outputs): a few percent of the
+    # output's scale, far below a wiring error (gate and up swapped moves it by tens of percent)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.03 * float(expected.abs().max()))
+    # and exactly the three fused products it chains
+    h_kernel = Int8Weights([o_proj])(attn, fused=Fused(residual=hidden))
+    gate_up = Int8Weights([gate, up])(h_kernel, fused=Fused(norm=norm, eps=1e-6))
+    chained = Int8Weights([down])(gate_up, fused=Fused(gated=True, residual=h_kernel))
+    torch.testing.assert_close(got, chained, rtol=0, atol=0)
+
+
+def test_bad_weights_and_shapes_are_clear_errors() -> None:
+    f16, _ = _weight(T.F16, 4, 64, seed=0)
+    with pytest.raises(ValueError, match=r"'w.F16'.*does not read F16.*reads Q4_0"):
+        Int8Weights([f16])
+    a, _ = _weight(T.Q4_0, 4, 64, seed=0)
+    b, _ = _weight(T.Q4_0, 4, 96, seed=0)
+    with pytest.raises(ValueError, match="one call needs one K"):
+        Int8Weights([a, b])
+    with pytest.raises(ValueError, match=r"x must be fp32 \[M, 64\]"):
+        Int8Weights([a])(torch.zeros(2, 96))
+    with pytest.raises(ValueError, match=r"residual must be fp32 \[2, 4\]"):
+        Int8Weights([a])(torch.zeros(2, 64), fused=Fused(residual=torch.zeros(2, 5)))

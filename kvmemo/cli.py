@@ -27,6 +27,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "read in place by the quantized kernel (native)",
     )
     g.add_argument(
+        "--dense-cache-memory", default="1GiB",
+        help="native weights: budget for the dense copies made for batched steps (more than 12 "
+        "rows), counted at fp32 size; 0 keeps none (default: 1GiB)",
+    )
+    g.add_argument(
         "--dtype", default="float32",
         help="float32, bfloat16 or float16 (default: float32)",
     )
@@ -171,6 +176,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,
+        dense_cache_memory=args.dense_cache_memory,
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
         block_size=args.block_size,

@@ -31,6 +31,9 @@ class EngineConfig:
     # How a GGUF's weights are held: "dense" (dequantized to `dtype` at load) or "native" (at
     # their GGUF bits over the memory-mapped file, read in place by the quantized kernel)
     weights: str = "dense"
+    # native weights: dense copies made for batched steps (more than 12 rows, where a GEMM on
+    # them beats the int8 kernel) while their fp32 bytes fit this budget; 0 = never
+    dense_cache_memory: str | int = "1GiB"
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: str | int = "2GiB"  # KV pool size (ignored when num_blocks is set)
@@ -76,6 +79,7 @@ class EngineConfig:
             )
         parse_size_bytes(self.kv_cache_memory, "kv_cache_memory")
         parse_size_bytes(self.encoder_cache_memory, "encoder_cache_memory")
+        parse_size_bytes(self.dense_cache_memory, "dense_cache_memory")
         _positive("num_blocks", self.num_blocks, allow_none=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

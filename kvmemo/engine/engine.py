@@ -37,6 +37,7 @@ from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.hybrid import HybridKVCacheManager
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.loader import load_model
+from kvmemo.model.native_linear import DenseCopies
 from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmemo.request import Request, RequestStatus
 from kvmemo.sampling import SamplingParams
@@ -86,6 +87,9 @@ class Engine:
         loaded = load_model(
             config.model, dtype=compute_dtype, device=str(self.device), weights=config.weights
         )
+        # Native weights may keep dense copies for batched steps, within this budget.
+        loaded.model.dense_copies = DenseCopies(
+            parse_size_bytes(config.dense_cache_memory, "dense_cache_memory"))
         # Linear layers bind to the fastest kernels here (probed once per machine, cached).
         self.linear_kernels = loaded.model.prepare_linears()
         if self.device.type == "cpu":

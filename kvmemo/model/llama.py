@@ -17,7 +17,7 @@ from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from kvmemo.model.linear_kernels import KernelChoice, Linear
 from kvmemo.model.linear_probe import choose_kernels
 from kvmemo.model.native_layer import FusedDecodeStep
-from kvmemo.model.native_linear import MAX_KERNEL_ROWS, NativeLinear
+from kvmemo.model.native_linear import DenseCopies, NativeLinear
 from kvmemo.model.quant_linear import QuantizedWeight
 
 # attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        if self.fused_step is not None and hidden.shape[0] <= MAX_KERNEL_ROWS:
+        if self.fused_step is not None and self.fused_step.serves(hidden.shape[0]):
             return self.fused_step(layer_idx, hidden, cos, sin, attention)
         out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
         return self.finish_block(hidden, out)
@@ -146,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
         # itself is an empty placeholder); empty when the weights were dequantized at load.
         self.native_parts: dict[str, list[QuantizedWeight | torch.Tensor]] = {}
+        # Native weights' dense copies for batched steps and their budget (the engine sets it
+        # from dense_cache_memory before prepare_linears; None: no copies are made).
+        self.dense_copies: DenseCopies | None = None
 
     def _prepare_native_linears(self) -> KernelChoice:
         """Every projection reads its GGUF blocks through the quantized kernel (NativeLinear);
@@ -155,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
             parts = self.native_parts.get(name)
             if parts is None:  # a weight the file holds in F32 throughout
                 parts = [self.get_parameter(name).detach().float()]
-            return NativeLinear(parts, bias)
+            return NativeLinear(parts, bias, self.dense_copies)
 
         for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
             p = f"layers.{i}."

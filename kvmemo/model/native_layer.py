@@ -39,6 +39,8 @@ class FusedDecodeStep:
         self.input_norm: torch.Tensor = norms[0].weight.detach()
         self.mlp_norm: torch.Tensor = norms[1].weight.detach()
         self.input_eps, self.mlp_eps = float(norms[0].eps), float(norms[1].eps)
+        self.linears = cast("list[NativeLinear]", [layer.qkv, layer.o, layer.mlp.gate_up,
+                                                   layer.mlp.down])
         self.num_heads, self.num_kv_heads = layer.num_heads, layer.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = layer.head_dim, layer.q_size, layer.kv_size
 
@@ -59,6 +61,11 @@ class FusedDecodeStep:
                     for lin in linears)
             and len(_single_call(mlp.gate_up).weights) == 2  # type: ignore[union-attr]
         )
+
+    def serves(self, rows: int) -> bool:
+        """Every projection takes `rows` on the kernels (batched steps with dense copies at hand
+        go through DecoderLayer.forward's GEMMs instead)."""
+        return all(linear.kernel_serves(rows) for linear in self.linears)
 
     def __call__(self, layer_idx: int, hidden: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:

@@ -10,6 +10,8 @@ copy is several times faster than any few-row kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,27 @@ from kvmemo.model.quant_linear import QuantizedWeight, quant_linear
 # The kernels up to this many rows, dequantize + oneDNN above: a 32-row decode batch ran faster
 # in the kernel (dequantizing Gemma's 262k-row head every step cost more).
 MAX_KERNEL_ROWS = 32
+# With a dense copy at hand, oneDNN on it from this many rows on: SmolLM2's weights, Zen 5, 2
+# threads, int8 kernel against oneDNN fp32 (ms per pass): 8 rows 11.4 / 15.6, 16 rows 22.2 /
+# 19.2, 32 rows 43.9 / 28.4.
+DENSE_FROM_ROWS = 13
+
+
+@dataclass
+class DenseCopies:
+    """Dense copies of native weights for batched steps (more than DENSE_FROM_ROWS rows), made
+    on a weight's first such step while their bytes stay within `budget` (first come first
+    served; the rest dequantize per call or stay on the kernels). One per model: a single-user
+    chat never makes any, a batching server pays at most the budget."""
+
+    budget: int
+    used: int = 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.budget:
+            return False
+        self.used += nbytes
+        return True
 
 
 class NativeLinear:
@@ -33,21 +56,50 @@ class NativeLinear:
     nothing dense is kept between calls.
     """
 
-    __slots__ = ("parts", "bias", "num_out", "_plan")
+    __slots__ = ("parts", "bias", "num_out", "_plan", "copies", "_dense", "_refused")
 
-    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None):
+    def __init__(self, parts: list[QuantizedWeight | torch.Tensor], bias: torch.Tensor | None,
+                 copies: DenseCopies | None = None):
         self.parts = parts
         self.bias = None if bias is None else bias.detach()
         self.num_out = sum(p.shape[0] for p in parts)
         self._plan = _few_row_plan(parts)
+        self.copies = copies
+        self._dense: torch.Tensor | None = None  # oneDNN-packed (or plain) dense copy
+        self._refused = False  # the budget had no room for this weight's copy
+
+    def kernel_serves(self, rows: int) -> bool:
+        """The few-row kernels take `rows` (else a GEMM on a dense weight does)."""
+        if rows > MAX_KERNEL_ROWS:
+            return False
+        return rows < DENSE_FROM_ROWS or not self._may_copy()
+
+    def _may_copy(self) -> bool:
+        """A dense copy exists, or the budget has room for one."""
+        if self._dense is not None:
+            return True
+        copies = self.copies
+        return copies is not None and not self._refused and (
+            copies.used + self.dense_bytes <= copies.budget)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of this weight's fp32 dense copy."""
+        return self.num_out * (self.parts[0].shape[1]) * 4
 
     packed_bytes = 0
     packed_only = False
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
-                   for p in self.parts)
+        """Bytes held: the parts at their bits, and the dense copy once made."""
+        held = 0 if self._dense is None else self._dense_nbytes()
+        return held + sum(p.nbytes if isinstance(p, QuantizedWeight)
+                          else p.numel() * p.element_size() for p in self.parts)
+
+    def _dense_nbytes(self) -> int:
+        assert self._dense is not None
+        return self.num_out * self.parts[0].shape[1] * self._dense.element_size()
 
     def dense(self) -> torch.Tensor:
         """The whole weight [N, K] in fp32 (dequantized now)."""
@@ -57,10 +109,10 @@ class NativeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] > MAX_KERNEL_ROWS:
-            out = self._gemm(x2)
-        else:
+        if self.kernel_serves(x2.shape[0]):
             out = self._few_rows(x2)
+        else:
+            out = self._gemm(x2)
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*shape[:-1], self.num_out)
@@ -72,13 +124,29 @@ class NativeLinear:
         return None
 
     def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
-        # oneDNN takes the plain dequantized weight (it reorders internally: 3.9 ms where MKL
-        # took 8.7 for 1,024 x 576 x 1,536 fp32 on Zen 5), in the compute dtype.
         dtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        weight = self.dense().to(dtype)
-        if onednn_available(dtype) and x2.device.type == "cpu":
+        onednn = onednn_available(dtype) and x2.device.type == "cpu"
+        weight = self._dense_copy(dtype, onednn)
+        if weight is None:  # no copy kept: dequantize for this call only
+            weight = self.dense().to(dtype)
+        if onednn:
+            # oneDNN: 3.9 ms where MKL took 8.7 for 1,024 x 576 x 1,536 fp32 on Zen 5. A plain
+            # weight it reorders itself each call; the kept copy is reordered once.
             return onednn_matmul(x2.to(dtype).contiguous(), weight, None).float()
         return F.linear(x2.to(dtype), weight).float()
+
+    def _dense_copy(self, dtype: torch.dtype, onednn: bool) -> torch.Tensor | None:
+        """The kept dense copy in `dtype`, made now if the budget has room, else None."""
+        if self._dense is not None and self._dense.dtype == dtype:
+            return self._dense
+        if self.copies is None or self._refused:
+            return None
+        if self._dense is None and not self.copies.reserve(self.dense_bytes):
+            self._refused = True
+            return None
+        plain = self.dense().to(dtype).contiguous()
+        self._dense = torch.ops.mkldnn._reorder_linear_weight(plain) if onednn else plain
+        return self._dense
 
     def _few_rows(self, x2: torch.Tensor) -> torch.Tensor:
         x32 = x2.float().contiguous()

@@ -15,6 +15,8 @@ from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.model.dense_attention import dense_causal_attention
 from kvmemo.model.gguf import load_gguf
 from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.native_linear import DenseCopies, NativeLinear
+from kvmemo.model.quant_int8 import GROUP, quantize_activations
 from kvmemo.model.quant_linear import QuantizedWeight, native_kernel_available
 from tests.model.test_gguf_reader import _tiny_llama_gguf
 from tests.model.tiny import tiny_hf_model
@@ -150,3 +152,28 @@ def test_gemma3_native_agrees_with_dense_greedy(gemma3_gguf) -> None:
         outs.append(list(out.outputs[0].token_ids))
         del llm
     assert outs[0][:4] == outs[1][:4]
+
+
+def test_dense_copies_serve_batched_rows_within_their_budget() -> None:
+    from tests.model.test_quant_linear import random_blocks
+
+    raw = random_blocks(Q.Q4_1, 48, 64, seed=0)
+    weight = QuantizedWeight.from_numpy("w", Q.Q4_1, raw)
+    dense = weight.dequantize()
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    copies = DenseCopies(budget=48 * 64 * 4)  # room for exactly this weight at fp32
+    linear = NativeLinear([weight], None, copies)
+    held = linear.nbytes
+    assert linear.kernel_serves(12) and not linear.kernel_serves(13)
+    linear(x[:12])  # the int8 kernel: no copy
+    assert copies.used == 0 and linear.nbytes == held
+    torch.testing.assert_close(linear(x[:13]), x[:13] @ dense.T)  # a GEMM on the copy: exact
+    assert copies.used == 48 * 64 * 4 and linear.nbytes == held + 48 * 64 * 4
+    other = NativeLinear([weight], None, copies)  # the budget is spent: this one keeps none
+    assert other.kernel_serves(20) and not other.kernel_serves(33)
+    rounded = other(x[:20])  # the kernel: within half an int8 code per activation value
+    _, scales = quantize_activations(x[:20])
+    bound = (scales.repeat_interleave(GROUP, dim=1) / 2) @ dense.abs().T
+    assert bool(((rounded - x[:20] @ dense.T).abs() <= bound * 1.001 + 1e-5).all())
+    torch.testing.assert_close(other(x), x @ dense.T)  # 40 rows: dequantized for the call
+    assert copies.used == 48 * 64 * 4 and other.nbytes == held

@@ -19,3 +19,11 @@ path. This __init__, paths, machine_info, workloads (at import), runners/__init_
 runners/engines/* import only the standard library at module level: runners.run is also started
 inside the peers' virtualenvs, which have no kvmemo, torch or numpy (see runners/run.py).
 """
+
+import os
+
+# The side-by-side figures (W0-W4, serve, fp8, ...) compare kvmemo with peers that load the same
+# model dense in the same dtype, so kvmemo runs its dense weights there too (weights="auto"
+# would pick native for the GGUF). The GGUF benchmarks (bench_gguf, bench_native_quality,
+# bench_footprint) choose weights explicitly.
+os.environ.setdefault("KVMEMO_WEIGHTS", "dense")

@@ -22,9 +22,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     g.add_argument(
-        "--weights", default="dense", choices=["dense", "native"],
-        help="GGUF weights dequantized at load (dense, default) or kept at their GGUF bits and "
-        "read in place by the quantized kernel (native)",
+        "--weights", default="auto", choices=["auto", "dense", "native"],
+        help="GGUF weights kept at their GGUF bits and read in place by the quantized kernels "
+        "(native), or dequantized to --dtype at load (dense; with float32 the exact mode); "
+        "auto: native for a GGUF on CPU, else dense (default: auto, or $KVMEMO_WEIGHTS)",
     )
     g.add_argument(
         "--dense-cache-memory", default="1GiB",

@@ -28,9 +28,11 @@ class EngineConfig:
 
     model: str | None = None  # .gguf file or HF directory; None = the bundled SmolLM2 GGUF
     dtype: str = "float32"  # compute / weight dtype
-    # How a GGUF's weights are held: "dense" (dequantized to `dtype` at load) or "native" (at
-    # their GGUF bits over the memory-mapped file, read in place by the quantized kernel)
-    weights: str = "dense"
+    # How a GGUF's weights are held: "dense" (dequantized to `dtype` at load: with float32, the
+    # exact mode that matches transformers), "native" (at their GGUF bits over the memory-mapped
+    # file, decode steps on int8 activations), or "auto": native for a GGUF on CPU, else dense
+    # ($KVMEMO_WEIGHTS overrides auto)
+    weights: str = "auto"
     # native weights: dense copies made for batched steps (more than 12 rows, where a GEMM on
     # them beats the int8 kernel) while their fp32 bytes fit this budget; 0 = never
     dense_cache_memory: str | int = "1GiB"
@@ -79,7 +81,7 @@ class EngineConfig:
             )
         parse_size_bytes(self.kv_cache_memory, "kv_cache_memory")
         parse_size_bytes(self.encoder_cache_memory, "encoder_cache_memory")
-        parse_size_bytes(self.dense_cache_memory, "dense_cache_memory")
+        parse_size_bytes(self.dense_cache_memory, "dense_cache_memory", allow_zero=True)
         _positive("num_blocks", self.num_blocks, allow_none=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
@@ -134,7 +136,7 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-WEIGHT_MODES = ("dense", "native")
+WEIGHT_MODES = ("auto", "dense", "native")
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite checks the exact fp32 mode (HF parity, caching on = off token for token) wherever it
+# leaves `weights` at "auto"; the native mode's tests ask for weights="native" themselves.
+os.environ["KVMEMO_WEIGHTS"] = "dense"
 
 
 @pytest.fixture(scope="session")

@@ -221,6 +221,44 @@ def gguf_section(model: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def native_quality_section(r: dict) -> str:
+    """weights="native" against the exact fp32 mode, a row per weight format."""
+    lines = [
+        "## Native GGUF weights against the exact fp32 mode "
+        "(`python -m benchmarks.micro.bench_native_quality --gemma`)\n",
+        f"{r['date']}, {r['cpu']}. Teacher-forced: the fp8 benchmark's {r['prompts']} prompts, "
+        f"{r['max_tokens']} greedy fp32 tokens each as reference, native predicting every next "
+        "token one step at a time through the paged cache (the decode path: int8 activations, a "
+        f"scale per 4 values). Perplexity: benchmarks/data/perplexity_text.txt in chunks of "
+        f"{r['chunk']} tokens, both modes. Requantized rows: the bundled model's layer weights "
+        "re-quantized by gguf-py, both modes reading that file.\n",
+        "| model | weight formats | teacher-forced agreement | perplexity fp32 | native | change |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['model']} | {row['formats']} | {100 * row['teacher_forced_agreement']:.2f}% "
+            f"| {row['perplexity_fp32']:.3f} | {row['perplexity_native']:.3f} "
+            f"| {100 * row['perplexity_change']:+.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def footprint_section(r: dict) -> str:
+    """One chat turn in a fresh process: start to first token and peak RSS, beside llama.cpp."""
+    lines = [
+        "## Start-up and memory of one turn (`python -m benchmarks.micro.bench_footprint`)\n",
+        f"{r['date']}, {r['cpu']}, {r['model']}: a fresh process loads the model with a "
+        f"{r['context']:,}-token context and generates {r['tokens']} tokens; median of "
+        f"{r['repeats']}, the engines alternating.\n",
+        "| engine | process start to first token (s) | peak RSS (MiB) |",
+        "|---|---|---|",
+    ]
+    for engine, row in r["engines"].items():
+        lines.append(f"| {engine} | {row['start_to_first_token_s']:.2f} | "
+                     f"{row['peak_rss_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def peers_section() -> str:
     """Side-by-side table (runners.run_suite results) and the charts report.plot drew."""
     lines = ["## Side by side (`python -m benchmarks.runners.run_suite`, same token ids for every "
@@ -291,6 +329,8 @@ SECTIONS = (
     ("multimodal.json", multimodal_section),
     ("router.json", router_section),
     ("rag_blend.json", rag_blend_section),
+    ("native_quality.json", native_quality_section),
+    ("footprint.json", footprint_section),
 )
 
 

@@ -89,7 +89,8 @@ class Engine:
         )
         # Native weights may keep dense copies for batched steps, within this budget.
         loaded.model.dense_copies = DenseCopies(
-            parse_size_bytes(config.dense_cache_memory, "dense_cache_memory"))
+            parse_size_bytes(config.dense_cache_memory, "dense_cache_memory",
+                             allow_zero=True))
         # Linear layers bind to the fastest kernels here (probed once per machine, cached).
         self.linear_kernels = loaded.model.prepare_linears()
         if self.device.type == "cpu":

@@ -341,13 +341,15 @@ class LlamaForCausalLM(nn.Module):
         return native + sum(p.numel() for p in self.parameters())  # tied weights counted once
 
     def weight_bytes(self) -> int:
-        """Bytes of weights held: parameters (tied ones once, released ones not at all) and
-        the kernels' packed copies."""
+        """Bytes of weights held: parameters (tied ones once, released ones not at all), the
+        kernels' packed copies and native weights' dense copies (counted at fp32)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         total += sum(
             p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
             for parts in self.native_parts.values() for p in parts
         )
+        if self.dense_copies is not None:
+            total += self.dense_copies.used
         if self.linear_choice is not None and not self.native_parts:
             total += sum(lin.packed_bytes for _, linears in self._projections() for lin in linears)
             if self.lm_head.weight is self.embed_tokens.weight:

@@ -132,16 +132,34 @@ def checkpoint_fingerprint(path: Path) -> str:
     return fingerprint_files([path / "config.json", *extra, *files], path)
 
 
+def resolve_weights_mode(weights: str, path: Path, device: str) -> str:
+    """"auto" -> $KVMEMO_WEIGHTS when set, else "native" for a .gguf file on CPU where the
+    quantized kernels build (decode several times faster, a seventh of the memory; see
+    docs/benchmarks.md for its agreement with fp32), else "dense". Other values pass through."""
+    if weights != "auto":
+        return weights
+    chosen = os.environ.get("KVMEMO_WEIGHTS", "")
+    if chosen:
+        if chosen not in ("dense", "native"):
+            raise ValueError(f"KVMEMO_WEIGHTS={chosen!r}; allowed: dense, native")
+        return chosen
+    from kvmemo.model.quant_int8 import int8_kernel_available
+
+    gguf_on_cpu = path.is_file() and path.suffix == ".gguf" and torch.device(device).type == "cpu"
+    return "native" if gguf_on_cpu and int8_kernel_available() else "dense"
+
+
 def load_model(
     path: str | None = None,
     *,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-    weights: str = "dense",
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a .gguf file or an HF safetensors directory (None: the bundled SmolLM2 GGUF;
     "gemma3-270m": the packaged Gemma 3, see packaged_gemma3_path). weights="native" keeps a
-    GGUF's linear weights at their own bits (quant_linear.py); "dense" dequantizes to `dtype`.
+    GGUF's linear weights at their own bits (quant_linear.py); "dense" dequantizes to `dtype`;
+    "auto" is resolve_weights_mode's choice.
 
     Raises:
         FileNotFoundError: the path (or its config/weights) does not exist.
@@ -153,6 +171,10 @@ def load_model(
     resolved = resolve_model_path(path)
     if not resolved.exists():
         raise FileNotFoundError(f"model path not found: {resolved}")
+    weights = resolve_weights_mode(weights, resolved, device)
+    if weights == "native" and torch.device(device).type != "cpu":
+        raise ValueError(f"weights='native' runs on CPU (its kernels are C); device is {device}: "
+                         "use weights='dense'")
 
     from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 

@@ -6,6 +6,8 @@ teacher-forced next tokens agree almost everywhere on the real models."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -72,7 +74,6 @@ def test_fused_decode_step_computes_the_layer() -> None:
     path_types = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.Q4_1,
                   "ffn_gate": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
     import tempfile
-    from pathlib import Path
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fused.gguf"
@@ -131,7 +132,8 @@ def test_bundled_model_native_agrees_with_dense() -> None:
     dense = LLM(weights="dense", num_blocks=256, enable_prefix_caching=False)
     reference = [list(o.outputs[0].token_ids) for o in dense.generate(prompts, params, use_tqdm=False)]
     del dense
-    llm = LLM(weights="native", num_blocks=256, enable_prefix_caching=False)
+    # no dense copies: the weights held are the GGUF's bits alone
+    llm = LLM(weights="native", num_blocks=256, enable_prefix_caching=False, dense_cache_memory=0)
     outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o[:4] for o in outs] == [r[:4] for r in reference]
     encoded = [llm.engine.processor.encode_prompt(p) for p in prompts]
@@ -177,3 +179,19 @@ def test_dense_copies_serve_batched_rows_within_their_budget() -> None:
     assert bool(((rounded - x[:20] @ dense.T).abs() <= bound * 1.001 + 1e-5).all())
     torch.testing.assert_close(other(x), x @ dense.T)  # 40 rows: dequantized for the call
     assert copies.used == 48 * 64 * 4 and other.nbytes == held
+
+
+def test_auto_weights_are_native_for_a_gguf_on_cpu(tmp_path, monkeypatch) -> None:
+    from kvmemo.model.loader import bundled_model_path, resolve_weights_mode
+
+    gguf = Path(bundled_model_path())
+    monkeypatch.delenv("KVMEMO_WEIGHTS", raising=False)
+    assert resolve_weights_mode("auto", gguf, "cpu") == "native"
+    assert resolve_weights_mode("auto", gguf, "cuda") == "dense"  # the kernels are CPU code
+    assert resolve_weights_mode("auto", tmp_path, "cpu") == "dense"  # an HF directory
+    assert resolve_weights_mode("dense", gguf, "cpu") == "dense"
+    monkeypatch.setenv("KVMEMO_WEIGHTS", "dense")
+    assert resolve_weights_mode("auto", gguf, "cpu") == "dense"
+    monkeypatch.setenv("KVMEMO_WEIGHTS", "fp4")
+    with pytest.raises(ValueError, match="KVMEMO_WEIGHTS='fp4'; allowed: dense, native"):
+        resolve_weights_mode("auto", gguf, "cpu")

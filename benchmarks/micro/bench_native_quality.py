@@ -10,8 +10,8 @@ modes read the same requantized file, so a row isolates the native kernels' erro
 K-quants). Agreement: the fp8 benchmark's 16 prompts, 64 greedy tokens of the fp32 mode as
 reference; native predicts each next token with the reference as context, fed one token per step
 through the paged cache (the decode path, where the int8 kernels run). Perplexity:
-benchmarks/data/perplexity_text.txt in chunks of 16 tokens (the kernels serve at most 32 rows;
-the fp32 mode reads it in the same chunks). Writes benchmarks/results/native_quality.json.
+benchmarks/data/perplexity_text.txt in chunks of 16 tokens (with dense_cache_memory=0 the kernels
+serve up to 32 rows; the fp32 mode reads it in the same chunks). Writes benchmarks/results/native_quality.json.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def requantize(source: Path, target: Path, qtype_name: str) -> None:
         elif raw == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor.name, data.reshape(shape))
         else:
-            writer.add_tensor(tensor.name, data, raw_shape=shape, raw_dtype=raw)
+            writer.add_tensor(tensor.name, data, raw_dtype=raw)  # [rows, row bytes] as stored
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -75,14 +75,34 @@ def requantize(source: Path, target: Path, qtype_name: str) -> None:
 @torch.inference_mode()
 def stepwise_argmax(llm: LLM, prompt: list[int], continuation: list[int]) -> list[int]:
     """The argmax after each position from the prompt's last token on, one token per step."""
+    if llm.engine.layout.is_hybrid:  # per-group block tables: through the engine instead
+        return _engine_stepwise_argmax(llm, prompt, continuation)
     logits = paged_logits(llm, prompt + continuation[:-1], chunk=1)
     return logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
 
 
+def _engine_stepwise_argmax(llm: LLM, prompt: list[int], continuation: list[int]) -> list[int]:
+    """The same through LLM.generate: one greedy token after prompt + continuation[:i], the
+    prefix cache computing just the new token each time (a one-row step, as in decode)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    return [llm.generate([prompt + continuation[:i]], greedy, use_tqdm=False)[0]
+            .outputs[0].token_ids[0] for i in range(len(continuation))]
+
+
 def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    if llm.engine.layout.is_hybrid:
+        return _engine_perplexity(llm, token_ids)
     logits = paged_logits(llm, token_ids, CHUNK)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(token_ids[1:]))
     return math.exp(float(nll))
+
+
+def _engine_perplexity(llm: LLM, token_ids: list[int]) -> float:
+    """From the engine's prompt log-probabilities, the prompt prefilled CHUNK tokens a step."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([token_ids], params, use_tqdm=False)
+    logprobs = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def measure(path: Path, label: str, formats: str) -> dict:
@@ -91,8 +111,11 @@ def measure(path: Path, label: str, formats: str) -> dict:
     rows = {}
     reference: list[list[int]] = []
     for weights in ("dense", "native"):
-        llm = LLM(str(path), weights=weights, dtype="float32", num_blocks=256,
-                  enable_prefix_caching=False)
+        # No dense copies: the native rows' chunks (16 rows) stay on the int8 kernels.
+        hybrid = "gemma" in label.lower()  # sliding-window layers: measured through the engine
+        llm = LLM(str(path), weights=weights, dtype="float32", num_blocks=1024 if hybrid else 256,
+                  enable_prefix_caching=hybrid, dense_cache_memory=0,
+                  max_num_batched_tokens=CHUNK if hybrid else 2048)
         prompt_ids = prompts(llm)
         text_ids = llm.engine.processor.encode_prompt(TEXT.read_text())
         if weights == "dense":

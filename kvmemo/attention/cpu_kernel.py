@@ -121,10 +121,14 @@ class DecodeKernel:
 
     @staticmethod
     def write_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """q/k/v laid out as write_and_decode reads them (fp32, heads D apart, unit stride)."""
+        """q/k/v shaped and laid out as write_and_decode reads them (fp32, heads D apart, unit
+        stride, D and the query group within the kernel's buffers)."""
         head_dim = q.shape[2]
         return (
-            q.dtype == k.dtype == v.dtype == torch.float32
+            head_dim <= MAX_HEAD_DIM
+            and q.shape[1] % k.shape[1] == 0
+            and q.shape[1] // k.shape[1] <= MAX_GROUP
+            and q.dtype == k.dtype == v.dtype == torch.float32
             and q.stride(2) == k.stride(2) == v.stride(2) == 1
             and q.stride(1) == k.stride(1) == v.stride(1) == head_dim
             and k.stride(0) == v.stride(0)

@@ -94,9 +94,12 @@ def build_kv(
         kv_cache.set_scales(scales.k, scales.v, k_offsets=scales.k_offset,
                             v_offsets=scales.v_offset, rotation=scales.rotation)
         kv_namespace += f":scales={scales.digest()}"  # other scales, other blocks
+    # The compute dtype changes the KV of the same weights, so it joins the fingerprint; so do
+    # native weights (int8 activations in decode steps), so that a shared store never mixes
+    # their blocks with the exact mode's.
+    native = ":native" if getattr(loaded.model, "native_parts", None) else ""
     root = namespace_root_hash(
-        # The compute dtype changes the KV of the same weights, so it joins the fingerprint.
-        weights_fingerprint=f"{loaded.weights_fingerprint}:{config.dtype}",
+        weights_fingerprint=f"{loaded.weights_fingerprint}:{config.dtype}{native}",
         kv_cache_dtype=kv_namespace,
         block_size=config.block_size,
         algorithm=config.prefix_cache_hash,

@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quant_shape_from_byte_shape
 
 from kvmemo.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 from kvmemo.model.gguf_header import GGUFFile, TensorInfo
-from kvmemo.model.quant_linear import QuantizedWeight
+from kvmemo.model.quant_linear import NATIVE_TYPES, QuantizedWeight
 from kvmemo.model.registry import LLAMA_GGUF_LAYER_NAMES, architecture_spec
 
 # F32/F16 are plain views; every other type is whatever gguf.quants implements (Q4_0..Q8_0,
@@ -229,7 +229,9 @@ def load_gguf(path: str | os.PathLike[str], *, native: bool = False) -> GGUFChec
         for name, info in list(infos.items()):
             part = m.group(2) if (m := _LAYER_RE.match(name)) else None
             is_linear = part in LINEAR_PARTS or name in LINEAR_GLOBALS
-            if is_linear and info.qtype != GGMLQuantizationType.F32:
+            # A type the kernels do not read (Q2_K, IQ*, ...) loads dense like F32; a model
+            # may mix both (NativeLinear takes dense parts).
+            if is_linear and info.qtype in NATIVE_TYPES:
                 raw = gguf_file.raw(info)
                 if part in heads:  # llama.cpp's q/k row order: whole rows move, blocks stay
                     order = reverse_llama_permute(torch.arange(raw.shape[0]), heads[part])

@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
     def linear_weights(self) -> list[torch.Tensor]:
         return [self.qkv_proj.weight, self.o_proj.weight, *self.mlp.linear_weights()]
 
-    # Native weights' decode step in four kernel calls (native_layer.py), set when it fits.
+    # Native weights' decode step in two kernel calls (native_layer.py), set when it fits.
     fused_step: FusedDecodeStep | None = None
 
     def forward(

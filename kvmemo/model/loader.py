@@ -133,19 +133,21 @@ def checkpoint_fingerprint(path: Path) -> str:
 
 
 def resolve_weights_mode(weights: str, path: Path, device: str) -> str:
-    """"auto" -> $KVMEMO_WEIGHTS when set, else "native" for a .gguf file on CPU where the
-    quantized kernels build (decode several times faster, a seventh of the memory; see
-    docs/benchmarks.md for its agreement with fp32), else "dense". Other values pass through."""
+    """"auto" -> "native" for a .gguf file on CPU where the quantized kernels build (decode
+    several times faster, a seventh of the memory; see docs/benchmarks.md for its agreement with
+    fp32), else "dense"; $KVMEMO_WEIGHTS=dense makes auto dense everywhere (=native changes
+    nothing: auto is native wherever native runs). Other values pass through."""
     if weights != "auto":
         return weights
     chosen = os.environ.get("KVMEMO_WEIGHTS", "")
-    if chosen:
-        if chosen not in ("dense", "native"):
-            raise ValueError(f"KVMEMO_WEIGHTS={chosen!r}; allowed: dense, native")
-        return chosen
+    if chosen not in ("", "dense", "native"):
+        raise ValueError(f"KVMEMO_WEIGHTS={chosen!r}; allowed: dense, native")
+    if chosen == "dense":
+        return "dense"
     from kvmemo.model.quant_int8 import int8_kernel_available
 
     gguf_on_cpu = path.is_file() and path.suffix == ".gguf" and torch.device(device).type == "cpu"
+    # native (asked for or not) where it can run: a GGUF on CPU with the kernels built
     return "native" if gguf_on_cpu and int8_kernel_available() else "dense"
 
 

@@ -1,4 +1,5 @@
-"""A Llama decoder layer's decode step over native GGUF weights, in four kernel calls.
+"""A Llama decoder layer's decode step over native GGUF weights: two int8-kernel calls around
+the attention call.
 
 Invariant: computes what DecoderLayer.forward computes with the same NativeLinears (the norms in
 fp32, RoPE rotate-half, the residual adds, silu(gate) * up), only in another order of float
@@ -41,6 +42,13 @@ class FusedDecodeStep:
         self.input_eps, self.mlp_eps = float(norms[0].eps), float(norms[1].eps)
         self.linears = cast("list[NativeLinear]", [layer.qkv, layer.o, layer.mlp.gate_up,
                                                    layer.mlp.down])
+        hidden = self.o.num_out  # the shapes the C block assumes, checked once here
+        gate, up = (w.shape[0] for w in self.gate_up.weights)
+        if not (gate == up == self.down.num_cols and self.gate_up.num_cols == hidden
+                == self.down.num_out == self.qkv.num_cols == self.input_norm.numel()
+                == self.mlp_norm.numel() and self.o.num_cols == layer.q_size):
+            raise ValueError("FusedDecodeStep: the layer's projection shapes do not chain")
+        self.input_norm, self.mlp_norm = self.input_norm.contiguous(), self.mlp_norm.contiguous()
         self.num_heads, self.num_kv_heads = layer.num_heads, layer.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = layer.head_dim, layer.q_size, layer.kv_size
 
@@ -56,6 +64,7 @@ class FusedDecodeStep:
             and type(layer.input_layernorm) is RMSNorm
             and type(layer.post_attention_layernorm) is RMSNorm
             and layer.input_layernorm.weight.dtype == torch.float32
+            and layer.post_attention_layernorm.weight.dtype == torch.float32
             and mlp.activation == "silu"
             and all(_single_call(lin) is not None and lin.bias is None  # type: ignore[union-attr]
                     for lin in linears)

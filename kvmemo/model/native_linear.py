@@ -1,9 +1,10 @@
 """NativeLinear: a projection over GGUF weights kept at their own bits, with the Linear interface.
 
 Invariant: equals F.linear(x, dequantized weight) (+ bias), to fp32 rounding for F16/BF16/dense
-parts and for every part on more than MAX_KERNEL_ROWS rows, and with x rounded to int8 per 32
-values for quantized parts on fewer rows (quant_int8.py states that bound). Why the split: a
-decode step (a few rows) is bound by reading every weight, which the kernels do in place; a
+parts and wherever a GEMM runs (more than MAX_KERNEL_ROWS rows, or DENSE_FROM_ROWS and more with
+a dense copy), and with x rounded to int8 per 4 values for quantized parts on the kernels
+(quant_int8.py states that bound). So the numerics depend on how many rows a step has. Why the
+split: a decode step (a few rows) is bound by reading every weight, which the kernels do in place; a
 prefill chunk (hundreds of rows) is bound by arithmetic, where oneDNN's GEMM on a dequantized
 copy is several times faster than any few-row kernel.
 """
@@ -30,10 +31,11 @@ DENSE_FROM_ROWS = 13
 
 @dataclass
 class DenseCopies:
-    """Dense copies of native weights for batched steps (more than DENSE_FROM_ROWS rows), made
-    on a weight's first such step while their bytes stay within `budget` (first come first
-    served; the rest dequantize per call or stay on the kernels). One per model: a single-user
-    chat never makes any, a batching server pays at most the budget."""
+    """Dense copies of native weights for batched decode steps (DENSE_FROM_ROWS to
+    MAX_KERNEL_ROWS rows), made on a weight's first such step while their fp32 bytes stay within
+    `budget` (first come first served; the rest stay on the kernels). Prefill uses a copy that
+    exists and otherwise dequantizes per call. One per model: a single-user chat never makes
+    any, a batching server pays at most the budget."""
 
     budget: int
     used: int = 0
@@ -52,8 +54,8 @@ class NativeLinear:
     Up to MAX_KERNEL_ROWS rows (decode batches, logits): consecutive quantized parts run as one
     int8-kernel call on their GGUF bytes (x quantized once, one parallel loop over all their
     rows); F16/BF16 parts run the fp32-activation kernel, each writing its columns. More rows
-    (prefill) dequantize the parts into one weight for that call and multiply with oneDNN, so
-    nothing dense is kept between calls.
+    (prefill) multiply with oneDNN on a dense copy if one was made (DenseCopies), else on the
+    parts dequantized for that call.
     """
 
     __slots__ = ("parts", "bias", "num_out", "_plan", "copies", "_dense", "_refused")
@@ -126,7 +128,7 @@ class NativeLinear:
     def _gemm(self, x2: torch.Tensor) -> torch.Tensor:
         dtype = x2.dtype if x2.dtype in (torch.float32, torch.bfloat16) else torch.float32
         onednn = onednn_available(dtype) and x2.device.type == "cpu"
-        weight = self._dense_copy(dtype, onednn)
+        weight = self._dense_copy(dtype, onednn, x2.shape[0])
         if weight is None:  # no copy kept: dequantize for this call only
             weight = self.dense().to(dtype)
         if onednn:
@@ -135,11 +137,13 @@ class NativeLinear:
             return onednn_matmul(x2.to(dtype).contiguous(), weight, None).float()
         return F.linear(x2.to(dtype), weight).float()
 
-    def _dense_copy(self, dtype: torch.dtype, onednn: bool) -> torch.Tensor | None:
-        """The kept dense copy in `dtype`, made now if the budget has room, else None."""
+    def _dense_copy(self, dtype: torch.dtype, onednn: bool, rows: int) -> torch.Tensor | None:
+        """The kept dense copy in `dtype`; made now for a batched step (at most
+        MAX_KERNEL_ROWS rows) if the budget has room (prefill uses one but never makes one: a
+        single-user chat keeps the weights at their bits); else None."""
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
-        if self.copies is None or self._refused:
+        if self.copies is None or self._refused or rows > MAX_KERNEL_ROWS:
             return None
         if self._dense is None and not self.copies.reserve(self.dense_bytes):
             self._refused = True

@@ -89,7 +89,8 @@ class Fused:
 
     norm: RMSNorm each x row first (x * rsqrt(mean(x^2) + eps) * norm), fp32 [K].
     gated: x rows are [gate | up] (2K wide) and the input is silu(gate) * up.
-    residual: the output is residual + product (residual [M, N] fp32, may be the output).
+    residual: the output is residual + product (residual [M, N] fp32, not the output itself:
+    the product is written before the residual is added).
     rope: (cos, sin [M, D/2] fp32 contiguous, columns, head_dim): rotate-half RoPE over the
     output's first `columns` columns.
     """
@@ -159,7 +160,7 @@ class Int8Weights:
             out = torch.empty(rows, self.num_out, dtype=torch.float32)
         if out.dtype != torch.float32 or out.stride(1) != 1 or out.shape != (rows, self.num_out):
             raise ValueError("out must be fp32 [M, N] with unit column stride")
-        options = None if fused is None else self._options(fused, rows)
+        options = None if fused is None else self._options(fused, rows, out)
         status = lib.linear(
             x.data_ptr(), rows, x.stride(0), ctypes.byref(self.struct), out.data_ptr(),
             out.stride(0), None if options is None else ctypes.byref(options),
@@ -169,7 +170,7 @@ class Int8Weights:
         assert status == 0, f"quant_linear_q8 status {status}"
         return out
 
-    def _options(self, fused: Fused, rows: int) -> _Options:
+    def _options(self, fused: Fused, rows: int, out: torch.Tensor) -> _Options:
         options = _Options(eps=fused.eps, gated=int(fused.gated))
         if fused.norm is not None:
             if fused.norm.dtype != torch.float32 or fused.norm.shape != (self.num_cols,):
@@ -180,6 +181,8 @@ class Int8Weights:
             if (residual.dtype != torch.float32 or residual.shape != (rows, self.num_out)
                     or residual.stride(1) != 1):
                 raise ValueError(f"residual must be fp32 [{rows}, {self.num_out}], unit stride")
+            if residual.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                raise ValueError("residual must not share memory with the output")
             options.residual, options.ldr = residual.data_ptr(), residual.stride(0)
         if fused.rope is not None:
             cos, sin, columns, head_dim = fused.rope

@@ -207,3 +207,11 @@ def test_scales_matter_when_values_leave_the_fp8_range(magnitude):
         errors[scaled] = float((got - expected).abs().mean() / expected.abs().mean())
     assert errors[True] < 0.08, errors  # measured ~0.045: e4m3 rounding only
     assert errors[False] > 3 * errors[True], errors  # measured ~0.95-1.0: clipped or flushed
+
+
+def test_the_fused_kv_write_steps_aside_for_groups_its_buffers_cannot_hold():
+    from kvmemo.attention.cpu_kernel import DecodeKernel
+
+    q, kv = torch.zeros(2, 66, 64), torch.zeros(2, 2, 64)  # 33 query heads per kv head
+    assert not DecodeKernel.write_fits(q, kv, kv)
+    assert DecodeKernel.write_fits(torch.zeros(2, 64, 64), kv, kv)

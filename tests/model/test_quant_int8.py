@@ -200,3 +200,10 @@ def test_bad_weights_and_shapes_are_clear_errors() -> None:
         Int8Weights([a])(torch.zeros(2, 96))
     with pytest.raises(ValueError, match=r"residual must be fp32 \[2, 4\]"):
         Int8Weights([a])(torch.zeros(2, 64), fused=Fused(residual=torch.zeros(2, 5)))
+
+
+def test_the_residual_must_not_be_the_output() -> None:
+    weight, _ = _weight(T.Q4_0, 4, 64, seed=0)
+    out = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="must not share memory with the output"):
+        Int8Weights([weight])(torch.zeros(2, 64), out, fused=Fused(residual=out))

@@ -52,11 +52,13 @@ int kvmemo_quantize_q8(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t
                 const float *xg = x + m * ldx + 32 * b + GROUP * g;
                 float amax = 0.0f;
                 for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(xg[i]));
-                const float d = amax * (1.0f / 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
+                /* a subnormal d would make 1/d infinite: such a group is zeros */
+                const float d = amax * (1.0f / 127.0f), id = d >= 0x1p-126f ? 1.0f / d : 0.0f;
                 int8_t *q = xq + m * K + 32 * b + GROUP * g;
                 int32_t sum = 0; /* |sum| <= 16 * 127: exact in fp32 */
                 for (int i = 0; i < GROUP; i++) {
-                    q[i] = (int8_t)nearbyintf(xg[i] * id);
+                    const float v = xg[i] * id;
+                    q[i] = (int8_t)(v == v ? nearbyintf(v) : 0.0f); /* NaN: 0, not UB */
                     sum += q[i];
                 }
                 for (int i = 0; i < GROUP / 4; i++) { /* its lanes: 4 codes each */
@@ -407,7 +409,7 @@ typedef struct {
     const float *norm; /* RMSNorm each x row first: x * rsqrt(mean(x^2) + eps) * norm[k] */
     float eps;
     int32_t gated;          /* x rows are [gate | up], 2K wide: the input is silu(gate) * up */
-    const float *residual;  /* y = residual + product (may be y itself), rows ldr apart */
+    const float *residual;  /* y = residual + product, rows ldr apart (not y: y is written first) */
     int64_t ldr;
     const float *cos, *sin; /* rotate-half RoPE over y's first rope_cols columns, [M, D/2] */
     int64_t rope_cols, head_dim;

@@ -144,6 +144,9 @@ class ModelRunner:
             device=self.device,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+        copies = getattr(self.model, "dense_copies", None)
+        if copies is not None:  # native weights: batched steps may keep dense copies
+            copies.sequences = len(seqs)
         hidden = self.model(
             ids,
             torch.tensor(positions, dtype=torch.int64, device=self.device),

@@ -31,14 +31,16 @@ DENSE_FROM_ROWS = 13
 
 @dataclass
 class DenseCopies:
-    """Dense copies of native weights for batched decode steps (DENSE_FROM_ROWS to
-    MAX_KERNEL_ROWS rows), made on a weight's first such step while their fp32 bytes stay within
-    `budget` (first come first served; the rest stay on the kernels). Prefill uses a copy that
-    exists and otherwise dequantizes per call. One per model: a single-user chat never makes
-    any, a batching server pays at most the budget."""
+    """Dense copies of native weights for batched steps, made on a weight's first such step
+    while their fp32 bytes stay within `budget` (first come first served; the rest stay on the
+    kernels or dequantize per call). Batched: a decode step of DENSE_FROM_ROWS to
+    MAX_KERNEL_ROWS rows, or a step of several sequences. A single sequence's prefill uses a
+    copy that exists and otherwise dequantizes per call, so a single-user chat never makes
+    one; a batching server pays at most the budget."""
 
     budget: int
     used: int = 0
+    sequences: int = 1  # in the step now running (the model runner sets it)
 
     def reserve(self, nbytes: int) -> bool:
         if self.used + nbytes > self.budget:
@@ -138,14 +140,14 @@ class NativeLinear:
         return F.linear(x2.to(dtype), weight).float()
 
     def _dense_copy(self, dtype: torch.dtype, onednn: bool, rows: int) -> torch.Tensor | None:
-        """The kept dense copy in `dtype`; made now for a batched step (at most
-        MAX_KERNEL_ROWS rows) if the budget has room (prefill uses one but never makes one: a
-        single-user chat keeps the weights at their bits); else None."""
+        """The kept dense copy in `dtype`; made now for a batched step (see DenseCopies) if
+        the budget has room; else None."""
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
-        if self.copies is None or self._refused or rows > MAX_KERNEL_ROWS:
+        copies = self.copies
+        if copies is None or self._refused or (rows > MAX_KERNEL_ROWS and copies.sequences < 2):
             return None
-        if self._dense is None and not self.copies.reserve(self.dense_bytes):
+        if self._dense is None and not copies.reserve(self.dense_bytes):
             self._refused = True
             return None
         plain = self.dense().to(dtype).contiguous()

@@ -235,3 +235,17 @@ def test_native_and_dense_kv_never_share_a_namespace() -> None:
     roots = {LLM(weights=w, num_blocks=64).engine.kv_info().namespace_root
              for w in ("dense", "native")}
     assert len(roots) == 2  # a shared disk/Redis store keeps the modes' blocks apart
+
+
+def test_a_single_sequence_prefill_makes_no_dense_copy_a_batched_one_does() -> None:
+    from tests.model.test_quant_linear import random_blocks
+
+    weight = QuantizedWeight.from_numpy("w", Q.Q8_0, random_blocks(Q.Q8_0, 16, 64, seed=1))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    copies = DenseCopies(budget=1 << 20)
+    linear = NativeLinear([weight], None, copies)
+    torch.testing.assert_close(linear(x), x @ weight.dequantize().T)  # dequantized per call
+    assert copies.used == 0
+    copies.sequences = 3  # a step over several sequences: a server batching prompts
+    torch.testing.assert_close(linear(x), x @ weight.dequantize().T)
+    assert copies.used == 16 * 64 * 4

@@ -29,8 +29,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dense-cache-memory", default="1GiB",
-        help="native weights: budget for the dense copies made by batched decode steps (13-32 "
-        "rows; prefill then uses them), counted at fp32 size; 0 keeps none (default: 1GiB)",
+        help="native weights: budget for the dense copies made by batched steps (decode steps of "
+        "13-32 rows, steps over several sequences), counted at fp32 size; 0 keeps none "
+        "(default: 1GiB)",
     )
     g.add_argument(
         "--dtype", default="float32",

@@ -33,9 +33,9 @@ class EngineConfig:
     # file, decode steps on int8 activations), or "auto": native for a GGUF on CPU, else dense
     # ($KVMEMO_WEIGHTS overrides auto)
     weights: str = "auto"
-    # native weights: dense copies made by batched decode steps (13-32 rows, where a GEMM on
-    # them beats the int8 kernel; prefill uses them once made) while their fp32 bytes fit this
-    # budget; 0 = never
+    # native weights: dense copies made by batched steps (decode steps of 13-32 rows, where a
+    # GEMM on them beats the int8 kernel, and steps over several sequences) while their fp32
+    # bytes fit this budget; 0 = never
     dense_cache_memory: str | int = "1GiB"
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16  # tokens per KV block

@@ -8,8 +8,8 @@ Why: a one-token decode step on a 135M model spends as long in small tensor ops 
 adds, the MLP's activation: about 20 torch calls per layer, each costing microseconds of
 dispatch for nanoseconds of arithmetic) as in reading the weights. Only layers whose weights
 are all int8-kernel types, without biases, per-head norms or a non-SiLU activation, in fp32,
-take this path (fits), and only for at most MAX_KERNEL_ROWS tokens; everything else runs
-DecoderLayer.forward.
+take this path (fits), and only for steps every projection serves on the kernels (serves: up
+to 12 rows, or 32 when no dense copy can be made); everything else runs DecoderLayer.forward.
 """
 
 from __future__ import annotations

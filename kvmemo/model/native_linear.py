@@ -182,7 +182,7 @@ def _few_row_plan(parts: list[QuantizedWeight | torch.Tensor]) -> list[tuple[_St
     start = column = 0
     for part in parts:
         if isinstance(part, QuantizedWeight) and quant_int8.reads(part) and (
-            len(run) < quant_int8.Int8Weights.MAX_PARTS
+            len(run) < quant_int8.MAX_PARTS
         ):
             if not run:
                 start = column

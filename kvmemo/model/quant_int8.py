@@ -119,8 +119,6 @@ class Int8Weights:
     """Quantized weights [N_p, K] that one kernel call multiplies, writing consecutive column
     ranges of one output (a fused q/k/v or gate/up, which may mix GGUF types)."""
 
-    MAX_PARTS = MAX_PARTS
-
     def __init__(self, weights: Sequence[QuantizedWeight]) -> None:
         if not 1 <= len(weights) <= MAX_PARTS:
             raise ValueError(f"1 to {MAX_PARTS} weights per call, got {len(weights)}")

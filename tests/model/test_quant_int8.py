@@ -12,7 +12,6 @@ checked against torch doing the same arithmetic.
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ from kvmemo.model.quant_int8 import (
     quantize_activations,
 )
 from kvmemo.model.quant_linear import QuantizedWeight
+from kvmemo.native import _cpu_flags as native_cpu_flags
 from tests.model.test_quant_linear import random_blocks
 
 pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="no C compiler")
@@ -40,13 +40,8 @@ T = GGMLQuantizationType
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    line = native_cpu_flags()  # the flags line kvmemo.native keys its builds by
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
 def _builds() -> list[str]:

@@ -417,7 +417,7 @@ typedef struct {
 
 /* e^x for the MLP's SiLU, as Cephes' expf (n ln2 + r, a degree-6 polynomial in r, times 2^n;
  * about 1 ulp), written so that the compiler vectorizes the loop it sits in (libm's expf is a
- * call per element: a quarter of the gated product's time at one row). */
+ * call per element, which keeps the loop scalar). */
 #pragma omp declare simd
 static inline float exp_poly(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); /* not fminf: it stops vectorizing */

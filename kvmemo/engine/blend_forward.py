@@ -100,8 +100,8 @@ def blend_prefill(
     all_slots = _slots(seq.block_table, all_positions, size)
     positions = all_positions[start:]
     ids = torch.tensor(seq.token_ids, dtype=torch.int64, device=device)
-    hidden = model.embed(ids)  # [T, hidden]
-    dtype = hidden.dtype
+    hidden = model.embed(ids)  # [T, hidden] fp32
+    dtype = model.compute_dtype
     rope = model.rope_tables(positions.to(device), dtype)
     old_rope = model.rope_tables(src_pos.to(device), torch.float32)
     new_rope = model.rope_tables(reused_pos.to(device), torch.float32)
@@ -136,7 +136,7 @@ def blend_prefill(
     # token's deviation from its chunk's K/V.
     block = layers[check]
     cos, sin = rope[check]
-    q, k, v = block.project_qkv(block.input_layernorm(hidden), cos, sin)
+    q, k, v = block.project_qkv(block.normed_input(hidden), cos, sin)
     num_reused = int(reused_rows.numel())
     picked = reused_rows[:0]
     if num_reused:

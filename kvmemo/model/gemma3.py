@@ -1,9 +1,9 @@
 """Gemma 3 text decoder: the Llama skeleton with Gemma's block shape and interleaved windows.
 
-Differences from Llama, each HF's arithmetic (modeling_gemma3.py): embeddings scaled by
-sqrt(hidden) in the weights' dtype; (1 + w) RMSNorms in fp32; RMSNorm over each q and k head
-before RoPE; norms after attention and around the MLP; tanh-GELU gated MLP; a RoPE base per layer
-type (sliding layers 10k, full layers the config's). Which layers slide is the attention
+Differences from Llama, each HF's arithmetic (modeling_gemma3.py) in fp32: embeddings scaled
+by sqrt(hidden); (1 + w) RMSNorms in fp32; RMSNorm over each q and k head before RoPE; norms
+after attention and around the MLP; tanh-GELU gated MLP; a RoPE base per layer type (sliding
+layers 10k, full layers the config's). Which layers slide is the attention
 callable's business: the model only passes the layer index.
 """
 
@@ -39,12 +39,12 @@ class Gemma3DecoderLayer(DecoderLayer):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
+        out = self.attention_block(layer_idx, self.normed_input(hidden), cos, sin, attention)
         return self.finish_block(hidden, out)
 
     def finish_block(self, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(attention_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attention_out)  # fp32 stream
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden).to(self.compute_dtype))
         return hidden + self.post_feedforward_layernorm(mlp_out)
 
 

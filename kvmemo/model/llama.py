@@ -53,25 +53,33 @@ class DecoderLayer(nn.Module):
 
     # Native weights' decode step in two kernel calls (native_layer.py), set when it fits.
     fused_step: FusedDecodeStep | None = None
+    # The projections' (and attention's) dtype; the residual stream `hidden` is fp32 in every
+    # mode (from_state_dict sets it).
+    compute_dtype: torch.dtype = torch.float32
 
     def forward(
         self,
         layer_idx: int,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor,  # [T, hidden] fp32
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
         if self.fused_step is not None and self.fused_step.serves(hidden.shape[0]):
             return self.fused_step(layer_idx, hidden, cos, sin, attention)
-        out = self.attention_block(layer_idx, self.input_layernorm(hidden), cos, sin, attention)
+        out = self.attention_block(layer_idx, self.normed_input(hidden), cos, sin, attention)
         return self.finish_block(hidden, out)
+
+    def normed_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The attention block's input: input_layernorm(hidden), in the compute dtype."""
+        return self.input_layernorm(hidden).to(self.compute_dtype)
 
     def finish_block(self, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
         """The layer after attention: the residual add of o_proj's output [T, hidden], then the
-        MLP's. A blended prefill (engine/blend_forward.py) calls it for a subset of rows."""
-        hidden = hidden + attention_out  # [T, hidden]
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        MLP's (both adds in fp32). A blended prefill (engine/blend_forward.py) calls it for a
+        subset of rows."""
+        hidden = hidden + attention_out  # [T, hidden] fp32
+        return hidden + self.mlp(self.post_attention_layernorm(hidden).to(self.compute_dtype))
 
     def attention_block(
         self,
@@ -141,6 +149,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The dtype the projections and attention compute in (from_state_dict's dtype). The
+        # embedding table, the lm_head and the norms' weights stay fp32 (FP32_PARAMS).
+        self.compute_dtype = torch.float32
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
         self._plain_released = False
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
@@ -280,11 +291,15 @@ class LlamaForCausalLM(nn.Module):
                     setattr(model.get_submodule(module), attr, nn.Parameter(placeholder))
                     continue
                 weight = _concat_rows([p for p in parts if isinstance(p, torch.Tensor)])
-                weight = weight.to(device=device, dtype=dtype).contiguous()
+                kept = torch.float32 if keeps_fp32(name) else dtype
+                weight = weight.to(device=device, dtype=kept).contiguous()
                 _check_shape(hf_names, weight, params[name])
                 setattr(model.get_submodule(module), attr, nn.Parameter(weight))
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        model.compute_dtype = dtype
+        for layer in model.layers:
+            cast(DecoderLayer, layer).compute_dtype = dtype
         return model.eval()
 
     @torch.inference_mode()
@@ -306,23 +321,26 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         self._require_linears()
-        # [T, hidden]
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rope_tables(positions, hidden.dtype)
+        # [T, hidden] fp32: the residual stream stays fp32 whatever the compute dtype. In bf16,
+        # rounding it (and the norms, the MLP's activation and the head) to bf16 cost most of
+        # bf16's disagreement with fp32 (docs/benchmarks.md: 97.2% -> 99.3% teacher-forced);
+        # the products and attention, where the time goes, stay bf16.
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.float()
+        rope = self.rope_tables(positions, self.compute_dtype)
         for layer_idx, layer in enumerate(self.layers):
             cos, sin = rope[layer_idx]
             hidden = layer(layer_idx, hidden, cos, sin, attention)
         return self.norm(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [T, hidden] (Gemma scales them); a native table dequantizes just the
-        rows asked for."""
+        """Token embeddings [T, hidden] fp32, the residual stream's dtype (Gemma scales them); a
+        native table dequantizes just the rows asked for."""
         table = self.native_parts.get("embed_tokens.weight")
         if table is not None:
             (weight,) = table
             if isinstance(weight, QuantizedWeight):
-                return weight.rows(input_ids).to(self.embed_tokens.weight.dtype)
-        return self.embed_tokens(input_ids)
+                return weight.rows(input_ids).float()
+        return self.embed_tokens(input_ids).float()
 
     def rope_tables(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -420,6 +438,13 @@ class LlamaForCausalLM(nn.Module):
             ]
             plan += self.layer_weight_names(ours, p)
         return plan
+
+
+def keeps_fp32(name: str) -> bool:
+    """Parameters held in fp32 whatever the compute dtype: the embedding table (the residual
+    stream starts from it), the lm_head (in bf16 a head with bf16 weights alone cost 1 point of
+    teacher-forced agreement with fp32) and the norms' weights (the norms run in fp32)."""
+    return name in ("embed_tokens.weight", "lm_head.weight") or name.endswith("norm.weight")
 
 
 def _concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -41,12 +41,26 @@ def test_load_hf_directory(tmp_path) -> None:
 def test_bf16_model(tmp_path) -> None:
     _save_tiny_dir(tmp_path)
     loaded = load_model(str(tmp_path), dtype=torch.bfloat16)
-    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    model = loaded.model
+    # bf16 projections; the table, the head and the norms stay fp32 (LlamaForCausalLM.forward).
+    assert model.compute_dtype == torch.bfloat16
+    assert model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert model.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert model.norm.weight.dtype == torch.float32
     from kvmemo.model.dense_attention import dense_causal_attention
 
-    attention = dense_causal_attention(4, 2)
-    hidden = loaded.model(torch.tensor([3, 4, 5]), torch.arange(3), attention)
-    assert loaded.model.compute_logits(hidden).dtype == torch.float32
+    seen: list[torch.dtype] = []
+
+    def attention(layer, q, k, v):
+        seen.append(q.dtype)
+        return dense_causal_attention(4, 2)(layer, q, k, v)
+
+    hidden = model(torch.tensor([3, 4, 5]), torch.arange(3), attention)
+    assert hidden.dtype == torch.float32  # the residual stream
+    assert set(seen) == {torch.bfloat16}  # attention computes in bf16
+    assert model.compute_logits(hidden).dtype == torch.float32
 
 
 def test_missing_path(tmp_path) -> None:

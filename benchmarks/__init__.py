@@ -27,3 +27,6 @@ import os
 # would pick native for the GGUF). The GGUF benchmarks (bench_gguf, bench_native_quality,
 # bench_footprint) choose weights explicitly.
 os.environ.setdefault("KVMEMO_WEIGHTS", "dense")
+# Likewise each figure names its dtype: auto (bf16 on CPUs with bf16 products) would change the
+# dtype with the machine; the side-by-side runs pass --dtype for every engine.
+os.environ.setdefault("KVMEMO_DTYPE", "float32")

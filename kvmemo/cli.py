@@ -34,8 +34,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "(default: 1GiB)",
     )
     g.add_argument(
-        "--dtype", default="float32",
-        help="float32, bfloat16 or float16 (default: float32)",
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto: bfloat16 for dense weights on a CPU with avx512_bf16 or AMX "
+        "(or a bf16 GPU), else float32 (default: auto, or $KVMEMO_DTYPE); float32 with dense "
+        "weights is the exact mode",
     )
     g.add_argument(
         "--kv-cache-memory", default="2GiB",

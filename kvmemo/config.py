@@ -15,7 +15,7 @@ from kvmemo.intake.segments import KV_REUSE_MODES
 from kvmemo.units import parse_size_bytes
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -27,7 +27,10 @@ class EngineConfig:
     """
 
     model: str | None = None  # .gguf file or HF directory; None = the bundled SmolLM2 GGUF
-    dtype: str = "float32"  # compute / weight dtype
+    # Compute / weight dtype. auto: bfloat16 for dense weights where the hardware has bf16
+    # products (avx512_bf16 or AMX, a bf16 GPU), else float32 ($KVMEMO_DTYPE overrides auto).
+    # float32 with dense weights is the exact mode.
+    dtype: str = "auto"
     # How a GGUF's weights are held: "dense" (dequantized to `dtype` at load: with float32, the
     # exact mode that matches transformers), "native" (at their GGUF bits over the memory-mapped
     # file, decode steps on int8 activations), or "auto": native for a GGUF on CPU, else dense

@@ -81,7 +81,7 @@ def _build(source: Path, compiler: str, march: str = "native") -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
     key = hashlib.sha256(text)
-    for part in (" ".join(flags), version, platform.machine(), _cpu_flags()):
+    for part in (" ".join(flags), version, platform.machine(), cpu_flags()):
         key.update(part.encode())
     target = cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if target.is_file():
@@ -100,7 +100,7 @@ def _build(source: Path, compiler: str, march: str = "native") -> Path:
     return target
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (-march=native code must not run on another CPU model)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -12,6 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite checks the exact fp32 mode (HF parity, caching on = off token for token) wherever it
 # leaves `weights` at "auto"; the native mode's tests ask for weights="native" themselves.
 os.environ["KVMEMO_WEIGHTS"] = "dense"
+os.environ["KVMEMO_DTYPE"] = "float32"  # dtype "auto" would pick bf16 on an avx512_bf16 CPU
 
 
 @pytest.fixture(scope="session")

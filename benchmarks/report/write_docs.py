@@ -259,6 +259,26 @@ def footprint_section(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def floor_section(r: dict) -> str:
+    """W1's wall against its matmul floor (linear FLOPs over the best GEMM rate measured)."""
+    lines = [
+        "## W1 against its matmul floor (`python -m benchmarks.micro.bench_floor`)\n",
+        f"{r['date']}, {r['cpu']}, torch {r['torch']}, {r['threads']} threads. Floor: W1's "
+        "linear-layer FLOPs (2 x weights per computed row, the head per sampled row) over the "
+        "best GEMM rate the engine's own bound kernels reach in the same process (layer 0's "
+        "projections and the head at 32 and 1,024 rows). Attention's FLOPs are not in the "
+        "floor; the wall pays for them. Median wall of the runs after a warm-up.\n",
+        "| dtype | wall s | best GEMM GFLOP/s | linear GFLOP | attention GFLOP | floor s "
+        "| wall / floor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dtype, row in r["dtypes"].items():
+        lines.append(f"| {dtype} | {row['wall_s']:.2f} | {row['best_gemm_gflops']:.0f} | "
+                     f"{row['linear_gflop']:.0f} | {row['attention_gflop']:.0f} | "
+                     f"{row['floor_s']:.2f} | {row['wall_over_floor']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def peers_section() -> str:
     """Side-by-side table (runners.run_suite results) and the charts report.plot drew."""
     lines = ["## Side by side (`python -m benchmarks.runners.run_suite`, same token ids for every "
@@ -331,6 +351,7 @@ SECTIONS = (
     ("rag_blend.json", rag_blend_section),
     ("native_quality.json", native_quality_section),
     ("footprint.json", footprint_section),
+    ("w1_floor.json", floor_section),
 )
 
 

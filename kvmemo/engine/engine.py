@@ -46,9 +46,6 @@ from kvmemo.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,10 +80,10 @@ class Engine:
         if self.device.type == "cpu":
             keep_freed_memory()  # prefill's activations are reused, not page-faulted in again
         start = time.perf_counter()
-        compute_dtype = _DTYPES[config.dtype]
         loaded = load_model(
-            config.model, dtype=compute_dtype, device=str(self.device), weights=config.weights
+            config.model, dtype=config.dtype, device=str(self.device), weights=config.weights
         )
+        compute_dtype = loaded.dtype  # config.dtype, "auto" resolved
         # Native weights may keep dense copies for batched steps, within this budget.
         loaded.model.dense_copies = DenseCopies(
             parse_size_bytes(config.dense_cache_memory, "dense_cache_memory",

@@ -94,12 +94,16 @@ def build_kv(
         kv_cache.set_scales(scales.k, scales.v, k_offsets=scales.k_offset,
                             v_offsets=scales.v_offset, rotation=scales.rotation)
         kv_namespace += f":scales={scales.digest()}"  # other scales, other blocks
-    # The compute dtype changes the KV of the same weights, so it joins the fingerprint; so do
-    # native weights (int8 activations in decode steps), so that a shared store never mixes
-    # their blocks with the exact mode's.
+    # The compute dtype changes the KV of the same weights, so it joins the fingerprint (below
+    # fp32 with the fp32 residual stream's tag: KV saved by the older all-bf16 model differs);
+    # so do native weights (int8 activations in decode steps), so that a shared store never
+    # mixes their blocks with the exact mode's.
     native = ":native" if getattr(loaded.model, "native_parts", None) else ""
+    dtype_tag = str(compute_dtype).removeprefix("torch.")
+    if compute_dtype != torch.float32:
+        dtype_tag += "+fp32-stream"
     root = namespace_root_hash(
-        weights_fingerprint=f"{loaded.weights_fingerprint}:{config.dtype}{native}",
+        weights_fingerprint=f"{loaded.weights_fingerprint}:{dtype_tag}{native}",
         kv_cache_dtype=kv_namespace,
         block_size=config.block_size,
         algorithm=config.prefix_cache_hash,

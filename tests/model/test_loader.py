@@ -82,3 +82,43 @@ def test_file_that_is_not_gguf(tmp_path) -> None:
 def test_unsupported_dtype() -> None:
     with pytest.raises(ValueError, match="float64"):
         load_model("/nonexistent", dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("flags", "weights", "expected"),
+    [
+        ("flags : fpu avx2 avx512f avx512_bf16", "dense", torch.bfloat16),
+        ("flags : fpu avx2 amx_bf16 amx_tile", "dense", torch.bfloat16),
+        ("flags : fpu avx2 avx512f avx512_vnni", "dense", torch.float32),  # no bf16 products
+        ("flags : fpu avx2 avx512_bf16", "native", torch.float32),  # int8 kernels: fp32 in
+    ],
+)
+def test_auto_dtype_follows_the_cpu(monkeypatch, flags, weights, expected) -> None:
+    from kvmemo.model.loader import resolve_dtype
+
+    monkeypatch.delenv("KVMEMO_DTYPE", raising=False)
+    monkeypatch.setattr("kvmemo.native.cpu_flags", lambda: flags)
+    assert resolve_dtype("auto", weights, "cpu") == expected
+
+
+def test_dtype_names_and_override(monkeypatch) -> None:
+    from kvmemo.model.loader import resolve_dtype
+
+    monkeypatch.setattr("kvmemo.native.cpu_flags", lambda: "flags : avx512_bf16")
+    monkeypatch.setenv("KVMEMO_DTYPE", "float32")
+    assert resolve_dtype("auto", "dense", "cpu") == torch.float32  # the override wins over auto
+    assert resolve_dtype("bfloat16", "dense", "cpu") == torch.bfloat16  # but not over a name
+    assert resolve_dtype(torch.float16, "dense", "cpu") == torch.float16
+    monkeypatch.setenv("KVMEMO_DTYPE", "fp64")
+    with pytest.raises(ValueError, match=r"'fp64'.*auto, float32, bfloat16, float16.*KVMEMO_DTYPE"):
+        resolve_dtype("auto", "dense", "cpu")
+    with pytest.raises(ValueError, match=r"'int8' not supported; allowed: auto"):
+        resolve_dtype("int8", "dense", "cpu")
+
+
+def test_auto_dtype_loads_bf16_on_a_bf16_cpu(tmp_path, monkeypatch) -> None:
+    _save_tiny_dir(tmp_path)
+    monkeypatch.delenv("KVMEMO_DTYPE", raising=False)
+    monkeypatch.setattr("kvmemo.native.cpu_flags", lambda: "flags : avx512_bf16")
+    loaded = load_model(str(tmp_path), dtype="auto")
+    assert loaded.dtype == loaded.model.compute_dtype == torch.bfloat16

@@ -32,7 +32,7 @@ from kvmemo.model.quant_int8 import (
     quantize_activations,
 )
 from kvmemo.model.quant_linear import QuantizedWeight
-from kvmemo.native import _cpu_flags as native_cpu_flags
+from kvmemo.native import cpu_flags as native_cpu_flags
 from tests.model.test_quant_linear import random_blocks
 
 pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="no C compiler")

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
-from kvmemo.attention.cascade import cascade_attention
+from kvmemo.attention.cascade import cascade_attention, cascade_prefix_state
 from kvmemo.attention.cpu_kernel import DecodeKernel, load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
@@ -54,7 +54,11 @@ class PagedAttentionBackend:
         self.workspace = Workspace()
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: StepPlan | None = None
-        self._fused_write: DecodeKernel | None = None  # this step's kernel for _decode_fast
+        self._fused_write: DecodeKernel | None = None  # a plain decode step's write + attend
+        # A pure decode step over a cascade prefix: each sequence's keys past the prefix [B]
+        # (the fused write + suffix + merge call); None when the step is not one.
+        self._cascade_write: DecodeKernel | None = None
+        self._cascade_suffix_lens: torch.Tensor | None = None
 
     def forward(
         self,
@@ -75,6 +79,18 @@ class PagedAttentionBackend:
                 q, k, v, metadata.slot_mapping, kv_cache.k_pages[layer], kv_cache.v_pages[layer],
                 plan.block_tables, plan.decode_table_rows, plan.decode_seq_lens,  # type: ignore[arg-type]
                 self.scale,
+            )
+        cascade, suffix_lens = self._cascade_write, self._cascade_suffix_lens
+        if cascade is not None and suffix_lens is not None and cascade.write_fits(q, k, v):
+            # A decode step over a shared prefix: the prefix's attention (one call for all
+            # sequences), then one C call writes the KV, attends over each sequence's own keys
+            # from that state and so merges the two in place.
+            k_pages, v_pages = kv_cache.k_pages[layer], kv_cache.v_pages[layer]
+            prefix = cascade_prefix_state(q, k_pages, v_pages, metadata, plan.cascade_blocks,
+                                          self.scale, self.workspace, plan.cascade_first_block)
+            return cascade.write_and_decode(
+                q, k, v, metadata.slot_mapping, k_pages, v_pages, plan.block_tables, None,
+                suffix_lens, self.scale, first_block=plan.cascade_blocks, prefix=prefix,
             )
         kv_cache.write(layer, k, v, metadata.slot_mapping)  # first: queries see their own keys
         q = fold_fp8_query(q, kv_cache, layer)
@@ -100,7 +116,15 @@ class PagedAttentionBackend:
             check_metadata_fits_cache(metadata, kv_cache)
             self._plan = StepPlan.build(metadata)
             self._plan_metadata = metadata
-            self._fused_write = _fused_write_kernel(self._plan, metadata, kv_cache)
+            kernel = _fused_write_kernel(self._plan, metadata, kv_cache)
+            cascade = self._plan.cascade_blocks
+            self._fused_write = None if cascade else kernel
+            self._cascade_write = kernel if cascade else None
+            self._cascade_suffix_lens = None
+            if self._cascade_write is not None:
+                prefix_len = cascade * metadata.block_size
+                self._cascade_suffix_lens = torch.tensor(
+                    [n - prefix_len for n in metadata.seq_lens], dtype=torch.int64)
         return self._plan
 
 
@@ -108,11 +132,17 @@ def _fused_write_kernel(
     plan: StepPlan, metadata: AttentionMetadata, kv_cache: PagedKVCache
 ) -> DecodeKernel | None:
     """The CPU decode kernel when this step can write its KV and attend in one call: every
-    sequence decodes, with no shared-prefix cascade, sliding window or fp8, on fp32/bf16 pages."""
+    sequence decodes, with no sliding window (that hides keys) or fp8, on fp32/bf16 pages; over
+    the whole batch's pages, or past a cascade prefix whose attention is its starting state."""
+    all_decode = all(n == 1 for n in metadata.query_lens)
+    if plan.cascade_blocks:
+        plain = not plan.prefills and all_decode
+    else:
+        plain = (not plan.groups and not plan.prefills and bool(plan.decode_seqs)
+                 and plan.decode_rows is None and not plan.decode_windowed
+                 and plan.decode_seq_lens is not None)
     if (
-        plan.cascade_blocks or plan.groups or plan.prefills or not plan.decode_seqs
-        or plan.decode_rows is not None or plan.decode_windowed or plan.decode_seq_lens is None
-        or kv_cache.is_fp8 or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+        not plain or kv_cache.is_fp8 or kv_cache.dtype not in (torch.float32, torch.bfloat16)
         or kv_cache.k_pages[0].device.type != "cpu"
         or metadata.slot_mapping.dtype != torch.int64
     ):
@@ -123,12 +153,10 @@ def _fused_write_kernel(
         kv_cache.v_pages[0],
     ):
         return None
-    contiguous = all(
-        t.is_contiguous() for t in (plan.block_tables, plan.decode_seq_lens, metadata.slot_mapping)
-    ) and (plan.decode_table_rows is None or plan.decode_table_rows.is_contiguous())
-    int64 = all(t.dtype == torch.int64 for t in (plan.block_tables, plan.decode_seq_lens)) and (
-        plan.decode_table_rows is None or plan.decode_table_rows.dtype == torch.int64)
-    return kernel if contiguous and int64 else None
+    read = [t for t in (plan.block_tables, plan.decode_seq_lens, plan.decode_table_rows)
+            if t is not None]  # (a cascade step's suffix lengths are made by the backend)
+    contiguous = all(t.is_contiguous() for t in [*read, metadata.slot_mapping])
+    return kernel if contiguous and all(t.dtype == torch.int64 for t in read) else None
 
 
 class ReferenceAttentionBackend:

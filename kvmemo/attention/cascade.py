@@ -92,6 +92,27 @@ def cascade_attention(
     """
     workspace = workspace or Workspace()
     k_pages, v_pages = k_cache.permute(2, 0, 1, 3), v_cache.permute(2, 0, 1, 3)  # [Hkv, nb, bs, D]
+    o_prefix, lse_prefix = cascade_prefix_state(
+        q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace, prefix_first_block
+    )
+    o_suffix, lse_suffix = _suffix_attention(
+        q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace
+    )
+    return merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix).to(q.dtype)
+
+
+def cascade_prefix_state(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D]
+    v_pages: torch.Tensor,
+    metadata: AttentionMetadata,
+    prefix_blocks: int,
+    scale: float,
+    workspace: Workspace,
+    prefix_first_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query against the shared prefix's keys, no mask: o [T, Hq, D] and lse [T, Hq],
+    fp32 contiguous (what a merge, or the decode kernel as its starting state, takes)."""
     if prefix_first_block is not None and k_pages.dtype == q.dtype:
         # A prefix computed on a fresh pool usually got consecutive blocks: a view of its pages
         # saves copying every prefix key and value in every layer of every step.
@@ -103,11 +124,8 @@ def cascade_attention(
         # [Hkv, Lp, D]
         k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)
         v_prefix = gather_pages(v_pages, prefix_ids, q.dtype, "cascade_v", workspace)
-    o_prefix, lse_prefix = _prefix_attention(q, k_prefix, v_prefix, scale)
-    o_suffix, lse_suffix = _suffix_attention(
-        q, k_pages, v_pages, metadata, prefix_blocks, scale, workspace
-    )
-    return merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix).to(q.dtype)
+    o, lse = _prefix_attention(q, k_prefix, v_prefix, scale)
+    return o.float().contiguous(), lse.float().contiguous()
 
 
 def merge_attention_states(

@@ -21,6 +21,7 @@ from kvmemo.native import load_library
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8_DTYPE: 3}
 MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the C kernel's fixed tile buffers
+IO_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # write_and_decode's q/k/v/out dtypes
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -92,28 +93,35 @@ class DecodeKernel:
 
     def write_and_decode(
         self,
-        q: torch.Tensor,  # [B, Hq, D] fp32, unit stride within a token's row
-        k: torch.Tensor,  # [B, Hkv, D] fp32: this step's keys, one token per sequence
-        v: torch.Tensor,  # [B, Hkv, D] fp32, the same strides as k
+        q: torch.Tensor,  # [B, Hq, D] fp32 or bf16, unit stride within a token's row
+        k: torch.Tensor,  # [B, Hkv, D] q's dtype: this step's keys, one token per sequence
+        v: torch.Tensor,  # [B, Hkv, D] q's dtype, the same strides as k
         slots: torch.Tensor,  # [B] int64: each token's slot in the pages
         k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D] contiguous, fp32 or bf16
         v_pages: torch.Tensor,
         block_tables: torch.Tensor,  # [S, max_blocks] int64 contiguous
         table_rows: torch.Tensor | None,  # [B] int64 contiguous, or None: row b
-        kv_lens: torch.Tensor,  # [B] int64 contiguous, counting the new token
+        kv_lens: torch.Tensor,  # [B] int64 contiguous: keys from first_block on, the new one too
         scale: float,
+        first_block: int = 0,
+        # A cascade's attention over the shared keys before first_block: o [B, Hq, D] and lse
+        # [B, Hq], fp32 contiguous; the result is then attention over both, merged in place.
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Writes k/v into their slots, then attends as __call__ does: [B, Hq, D] fp32. The
-        caller has checked that write_fits()."""
+        """Writes k/v into their slots, then attends as __call__ does: [B, Hq, D] in q's dtype.
+        The caller has checked that write_fits()."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks, block_size, _ = k_pages.shape
-        out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)
+        o_prefix, lse_prefix = prefix if prefix is not None else (None, None)
         status = self.write_fn(
-            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(),
-            k_pages.data_ptr(), v_pages.data_ptr(), KV_DTYPE_CODES[k_pages.dtype],
-            block_tables.data_ptr(), block_tables.shape[1],
-            None if table_rows is None else table_rows.data_ptr(), kv_lens.data_ptr(), batch,
-            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, out.data_ptr(),
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+            IO_DTYPE_CODES[q.dtype], slots.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
+            KV_DTYPE_CODES[k_pages.dtype], block_tables.data_ptr(), block_tables.shape[1],
+            None if table_rows is None else table_rows.data_ptr(), first_block,
+            kv_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+            scale, None if o_prefix is None else o_prefix.data_ptr(),
+            None if lse_prefix is None else lse_prefix.data_ptr(), out.data_ptr(),
         )
         if status != 0:
             raise ValueError(f"decode+write kernel status {status}: check write_fits() first")
@@ -121,14 +129,14 @@ class DecodeKernel:
 
     @staticmethod
     def write_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """q/k/v shaped and laid out as write_and_decode reads them (fp32, heads D apart, unit
-        stride, D and the query group within the kernel's buffers)."""
+        """q/k/v shaped and laid out as write_and_decode reads them (one dtype, fp32 or bf16,
+        heads D apart, unit stride, D and the query group within the kernel's buffers)."""
         head_dim = q.shape[2]
         return (
             head_dim <= MAX_HEAD_DIM
             and q.shape[1] % k.shape[1] == 0
             and q.shape[1] // k.shape[1] <= MAX_GROUP
-            and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.dtype == k.dtype == v.dtype and q.dtype in IO_DTYPE_CODES
             and q.stride(2) == k.stride(2) == v.stride(2) == 1
             and q.stride(1) == k.stride(1) == v.stride(1) == head_dim
             and k.stride(0) == v.stride(0)
@@ -150,7 +158,7 @@ def load_decode_kernel() -> DecodeKernel | None:
     write_fn = library.kvmemo_paged_decode_write
     write_fn.restype = ctypes.c_int
     write_fn.argtypes = [
-        _p, _i64, _p, _p, _i64, _p, _p, _p, ctypes.c_int, _p, _i64, _p, _p,
-        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p,
+        _p, _i64, _p, _p, _i64, ctypes.c_int, _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p,
+        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p,
     ]
     return DecodeKernel(path=Path(library._name), fn=fn, write_fn=write_fn)

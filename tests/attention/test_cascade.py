@@ -33,7 +33,13 @@ def any_prefix(monkeypatch):
     monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
 
 
-def build_batch(
+def build_batch(**kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """build_cascade_batch's q, layer 0's logical K/V caches and the metadata."""
+    q, cache, md = build_cascade_batch(**kwargs)
+    return q, cache.k_caches[0], cache.v_caches[0], md
+
+
+def build_cascade_batch(
     *,
     prefix_blocks: int,
     block_size: int,
@@ -43,14 +49,14 @@ def build_batch(
     rng: random.Random,
     dtype: torch.dtype = torch.float32,
     ascending_prefix: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata]:
     """Sequences whose tables start with the same prefix_blocks physical blocks, own blocks after.
 
     The shared blocks are random ids, or with ascending_prefix one run of consecutive ids (as a
     prefix computed on a fresh pool gets), the other blocks still shuffled around them.
 
     Sequence s's K/V for positions [0, computed[s]) is written before the step, the new tokens
-    through slot_mapping; shared positions hold one K/V for everybody. Returns q, k/v cache, md.
+    through slot_mapping; shared positions hold one K/V for everybody. Returns q, the cache, md.
     """
     prefix_len = prefix_blocks * block_size
     own_blocks = [-(-(c + n) // block_size) - prefix_blocks for c, n in zip(computed, new)]
@@ -103,7 +109,7 @@ def build_batch(
     )
     write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), md.slot_mapping)
     q = torch.randn(md.num_tokens, NUM_KV_HEADS * group, HEAD_DIM, dtype=dtype)
-    return q, k_cache, v_cache, md
+    return q, cache, md
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -393,3 +399,52 @@ def test_groups_sharing_different_prefixes_each_go_through_cascade(any_prefix, g
         expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
         got = paged_attention(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ascending", [True, False])
+def test_a_decode_step_over_a_shared_prefix_writes_attends_and_merges_in_one_call(
+    any_prefix, decode_path, monkeypatch, dtype, ascending
+):
+    """A step where every sequence decodes over a cascade prefix: the backend computes the
+    prefix's attention, then one decode-kernel call writes each new K/V into its slot and attends
+    over the sequence's own keys from the prefix's state. Equals the reference (which writes
+    first, then attends over all keys), and the K/V land in their slots."""
+    from kvmemo.attention.backend import PagedAttentionBackend
+    from kvmemo.attention.cpu_kernel import DecodeKernel
+
+    with_prefix: list[bool] = []
+    real = DecodeKernel.write_and_decode
+
+    def recording(self, *args, **kwargs):
+        with_prefix.append(kwargs.get("prefix") is not None)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeKernel, "write_and_decode", recording)
+    for seed in range(4):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        block_size = rng.choice([8, 16])
+        prefix_blocks = rng.randint(1, 4)
+        num_seqs = rng.randint(2, 6)
+        computed = [prefix_blocks * block_size + rng.randint(0, 2 * block_size)
+                    for _ in range(num_seqs)]
+        q, cache, md = build_cascade_batch(
+            prefix_blocks=prefix_blocks, block_size=block_size, group=3, computed=computed,
+            new=[1] * num_seqs, rng=rng, dtype=dtype, ascending_prefix=ascending,
+        )
+        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
+        flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, D] views
+        new_k = flat_k[md.slot_mapping].clone()  # what the build wrote: this step's K/V
+        new_v = flat_v[md.slot_mapping].clone()
+        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        flat_k[md.slot_mapping] = 0  # the step must write them itself
+        flat_v[md.slot_mapping] = 0
+        with_prefix.clear()
+        got = PagedAttentionBackend(HEAD_DIM**-0.5).forward(0, q, new_k, new_v, cache, md)
+        assert with_prefix == ([True] if decode_path == "kernel" else [])
+        assert got.dtype == dtype
+        assert torch.equal(flat_k[md.slot_mapping], new_k)
+        assert torch.equal(flat_v[md.slot_mapping], new_v)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

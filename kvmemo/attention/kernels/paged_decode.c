@@ -230,7 +230,7 @@ static inline void prefetch_tile(const void *k_pages, const void *v_pages, int d
 static inline __attribute__((always_inline)) void attend_one(
     const float *qs, const void *k_pages, const void *v_pages, int dtype, const int64_t *table,
     int64_t kv_len, int64_t head_offset, int64_t bs, int G, const int64_t D, float *out,
-    float *lse, int64_t lse_stride) {
+    float *lse, int64_t lse_stride, const float *o_init, const float *lse_init) {
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_GROUP * TILE];
     float acc[MAX_GROUP * MAX_D], m[MAX_GROUP], l[MAX_GROUP];
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
@@ -238,6 +238,14 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t first = 0; first < kv_len && first < PREFETCH_TILES * step; first += step)
         prefetch_tile(k_pages, v_pages, dtype, table, first, kv_len, head_offset, bs, D);
     memset(acc, 0, sizeof(float) * G * D);
+    /* Attention over earlier keys (o_init, lse_init: a cascade's shared prefix) is the online
+     * softmax's starting state: running max lse (in log2 units), sum 1, accumulator o. */
+    for (int g = 0; o_init && g < G; g++) {
+        if (lse_init[g] == -INFINITY) continue; /* no earlier keys */
+        m[g] = lse_init[g] * LOG2E;
+        l[g] = 1.0f;
+        memcpy(acc + g * D, o_init + g * D, sizeof(float) * (size_t)D);
+    }
     for (int64_t start = 0, n = 0; start < kv_len; start += n) {
         int64_t block = start / bs, in_block = start % bs;
         n = kv_len - start;
@@ -312,34 +320,69 @@ static inline void write_slot(const float *k, const float *v, void *k_pages, voi
     }
 }
 
-static int paged_decode(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
-                        int64_t kv_stride, const int64_t *slots, const void *k_pages,
+/* n fp32 values from fp32 (io = 0) or bf16 (io = 1) storage. */
+static inline void load_io(const void *src, int io, int64_t n, float *dst) {
+    if (io == 0) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+    uint32_t *d = (uint32_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+}
+
+static inline void store_io(const float *src, int io, int64_t n, void *dst) {
+    if (io == 0) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a;
+        memcpy(&a, src + i, 4);
+        d[i] = (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
+    }
+}
+
+/* The whole decode attention of one layer. q/k_new/v_new/out are fp32 or bf16 (io, one dtype
+ * for all four); o_init/lse_init (fp32, optional) are attention over keys before first_block. */
+static int paged_decode(const void *q, int64_t q_stride, const void *k_new, const void *v_new,
+                        int64_t kv_stride, int io, const int64_t *slots, const void *k_pages,
                         const void *v_pages, int dtype, const int64_t *block_tables,
                         int64_t table_stride, const int64_t *table_rows, int64_t first_block,
                         const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t bs, int64_t num_blocks, float scale, float *out, float *lse) {
+                        int64_t bs, int64_t num_blocks, float scale, void *out, float *lse,
+                        const float *o_init, const float *lse_init) {
     int G = (int)(Hq / Hkv);
     if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
+    const int64_t io_bytes = io ? 2 : 4;
 #pragma omp parallel for schedule(dynamic)
     for (int64_t item = 0; item < B * Hkv; item++) {
         int64_t b = item / Hkv, h = item % Hkv;
         int64_t head_offset = h * num_blocks * bs;
-        if (slots) /* this (sequence, head) alone reads the slot: no other item races on it */
-            write_slot(k_new + b * kv_stride + h * D, v_new + b * kv_stride + h * D,
-                       (void *)k_pages, (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
-        float qs[MAX_GROUP * MAX_D];
-        const float *qb = q + b * q_stride + h * G * D;
-        for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
+        if (slots) { /* this (sequence, head) alone reads the slot: no other item races on it */
+            float kv[2 * MAX_D];
+            load_io((const char *)k_new + (b * kv_stride + h * D) * io_bytes, io, D, kv);
+            load_io((const char *)v_new + (b * kv_stride + h * D) * io_bytes, io, D, kv + D);
+            write_slot(kv, kv + D, (void *)k_pages, (void *)v_pages, dtype,
+                       (head_offset + slots[b]) * D, D);
+        }
+        float qs[MAX_GROUP * MAX_D], o32[MAX_GROUP * MAX_D];
+        load_io((const char *)q + (b * q_stride + h * G * D) * io_bytes, io, G * D, qs);
+        for (int64_t i = 0; i < G * D; i++) qs[i] *= scale * LOG2E;
         const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
-        float *ob = out + (b * Hq + h * G) * D;
+        float *ob = io ? o32 : (float *)out + (b * Hq + h * G) * D;
         float *lb = lse ? lse + b * Hq + h * G : 0;
+        const float *oi = o_init ? o_init + (b * Hq + h * G) * D : 0;
+        const float *li = o_init ? lse_init + b * Hq + h * G : 0;
         /* Constant D lets the compiler unroll the dot products and V updates fully. */
         if (D == 64)
-            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 64, ob, lb, 1);
+            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 64, ob, lb, 1, oi, li);
         else if (D == 128)
-            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 128, ob, lb, 1);
+            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 128, ob, lb, 1, oi, li);
         else
-            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, D, ob, lb, 1);
+            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, D, ob, lb, 1, oi, li);
+        if (io) store_io(o32, io, G * D, (char *)out + (b * Hq + h * G) * D * io_bytes);
     }
     return 0;
 }
@@ -350,22 +393,27 @@ int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages
                         int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,
                         int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
                         float *out, float *lse) {
-    return paged_decode(q, Hq * D, NULL, NULL, 0, NULL, k_pages, v_pages, dtype, block_tables,
+    return paged_decode(q, Hq * D, NULL, NULL, 0, 0, NULL, k_pages, v_pages, dtype, block_tables,
                         table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv, D, bs,
-                        num_blocks, scale, out, lse);
+                        num_blocks, scale, out, lse, NULL, NULL);
 }
 
 /* A decode step's attention for one layer with its KV write folded in: sequence b's new key and
  * value (rows of k_new / v_new, kv_stride apart, heads D apart) go to slot slots[b] of its pages
- * first, then it attends over kv_lens[b] keys. q rows are q_stride apart. fp32 or bf16 pages. */
-int kvmemo_paged_decode_write(const float *q, int64_t q_stride, const float *k_new,
-                              const float *v_new, int64_t kv_stride, const int64_t *slots,
+ * first, then it attends over the kv_lens[b] keys from table entry first_block on. q rows are
+ * q_stride apart; q, k_new, v_new and out ([B, Hq, D] contiguous) are fp32 (io = 0) or bf16
+ * (io = 1); fp32 or bf16 pages. With o_prefix [B, Hq, D] and lse_prefix [B, Hq] (fp32: a
+ * cascade's attention over the shared keys before first_block), those are the online softmax's
+ * starting state, so out is attention over prefix and suffix together, merged in place. */
+int kvmemo_paged_decode_write(const void *q, int64_t q_stride, const void *k_new,
+                              const void *v_new, int64_t kv_stride, int io, const int64_t *slots,
                               void *k_pages, void *v_pages, int dtype, const int64_t *block_tables,
-                              int64_t table_stride, const int64_t *table_rows,
+                              int64_t table_stride, const int64_t *table_rows, int64_t first_block,
                               const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
-                              int64_t D, int64_t bs, int64_t num_blocks, float scale, float *out) {
-    if (dtype != KV_F32 && dtype != KV_BF16) return 2;
-    return paged_decode(q, q_stride, k_new, v_new, kv_stride, slots, k_pages, v_pages, dtype,
-                        block_tables, table_stride, table_rows, 0, kv_lens, B, Hq, Hkv, D, bs,
-                        num_blocks, scale, out, NULL);
+                              int64_t D, int64_t bs, int64_t num_blocks, float scale,
+                              const float *o_prefix, const float *lse_prefix, void *out) {
+    if ((dtype != KV_F32 && dtype != KV_BF16) || (io != 0 && io != 1)) return 2;
+    return paged_decode(q, q_stride, k_new, v_new, kv_stride, io, slots, k_pages, v_pages, dtype,
+                        block_tables, table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv,
+                        D, bs, num_blocks, scale, out, NULL, o_prefix, lse_prefix);
 }

@@ -1,0 +1,140 @@
+"""Dense decode steps with the small ops in C (dense_decode.py): each op equals its torch
+arithmetic (fp32 to rounding, bf16 rounded once from fp32), and a decode-sized step of a whole
+model equals the layer-by-layer forward, with the HF reference model agreeing on the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmemo.model import dense_decode
+from kvmemo.model.config import ModelArchConfig
+from kvmemo.model.dense_attention import dense_causal_attention
+from kvmemo.model.dense_decode import DenseDecodeStep, add_rmsnorm, rope_, silu_mul
+from kvmemo.model.layers import apply_rotary
+from kvmemo.model.linear_kernels import DECODE_ROWS
+from kvmemo.model.llama import LlamaForCausalLM
+from tests.model.tiny import caching_attention, tiny_hf_model
+
+pytestmark = pytest.mark.skipif(not dense_decode.kernel_available(), reason="no C compiler")
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0, atol=0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_addend", [True, False])
+def test_add_rmsnorm_adds_in_place_then_norms(dtype, with_addend) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 96) * 3
+    # addend rows with a stride wider than the row (a view of a wider product)
+    addend = torch.randn(5, 130).to(dtype)[:, :96] if with_addend else None
+    weight = torch.randn(96)
+    expected_hidden = hidden + (addend.float() if addend is not None else 0)
+    expected = F.rms_norm(expected_hidden, (96,), weight, 1e-5)
+    got = add_rmsnorm(hidden, addend, weight, 1e-5, dtype)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=0)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.to(dtype).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_the_leading_heads(dtype) -> None:
+    torch.manual_seed(1)
+    tokens, heads, rotated, head_dim = 4, 5, 3, 16
+    x = torch.randn(tokens, heads * head_dim + 7).to(dtype)  # 7 columns past the heads
+    angles = torch.rand(tokens, head_dim // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    rows = x.float()[:, : rotated * head_dim].view(tokens, rotated, head_dim)
+    expected = apply_rotary(rows, cos[:, None], sin[:, None]).reshape(tokens, -1)
+    untouched = x[:, rotated * head_dim :].clone()
+    rope_(x, cos, sin, rotated * head_dim, head_dim)
+    torch.testing.assert_close(x[:, : rotated * head_dim].float(), expected.to(dtype).float(),
+                               **TOLERANCE[dtype])
+    assert torch.equal(x[:, rotated * head_dim :], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_rounds_once(dtype) -> None:
+    torch.manual_seed(2)
+    both = (torch.randn(6, 2 * 40) * 4).to(dtype)  # gate and up as halves of one product
+    gate, up = both[:, :40], both[:, 40:]
+    expected = (F.silu(gate.float()) * up.float()).to(dtype)
+    got = silu_mul(gate, up)
+    # bf16: one rounding of the fp32 product, so equal but for the last bit where exp differs
+    atol = 1e-6 if dtype == torch.float32 else 0
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5 if atol else 1e-2,
+                               atol=atol)
+
+
+def _tiny(kind: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    hf = tiny_hf_model(kind)
+    config = ModelArchConfig.from_hf_config(hf.config.to_dict())
+    model = LlamaForCausalLM.from_state_dict(config, hf.state_dict(), dtype=dtype)
+    model.prepare_linears()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_equals_the_layer_forward(kind, dtype) -> None:
+    """A 20-token prefill, then a step of one token for each of 3 "sequences" (here one
+    continued sequence with 3 new tokens): the C path against DecoderLayer.forward."""
+    model = _tiny(kind, dtype)
+    assert model.dense_decode is not None
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for use_c in (True, False):
+        step = model.dense_decode
+        attention, _ = caching_attention()
+        model(ids[:20], torch.arange(20), attention)  # prefill: not a decode-sized step
+        if not use_c:
+            model.dense_decode = None
+        outputs.append(model.compute_logits(model(ids[20:], torch.arange(20, 23), attention)))
+        model.dense_decode = step
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    scale = float(outputs[1].abs().max())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=tolerance * scale)
+
+
+def test_greedy_tokens_equal_hf_through_the_c_path() -> None:
+    """fp32: greedy decoding one token per step (every step on the C path) gives HF's tokens."""
+    hf = tiny_hf_model("llama")
+    model = _tiny("llama", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5))
+    attention, _ = caching_attention()
+    hidden = model(ids, torch.arange(9), attention)
+    tokens = [int(model.compute_logits(hidden[-1:]).argmax())]
+    for step in range(11):
+        position = torch.tensor([9 + step])
+        tokens.append(int(model.compute_logits(model(torch.tensor(tokens[-1:]), position,
+                                                     attention)).argmax()))
+    with torch.no_grad():
+        reference = hf.generate(ids[None], max_new_tokens=12, do_sample=False)[0, 9:].tolist()
+    assert tokens == reference
+
+
+def test_the_c_path_serves_decode_sized_steps_of_plain_llama_layers_only() -> None:
+    model = _tiny("llama", torch.float32)
+    step = model.dense_decode
+    assert step is not None
+    assert step.serves(1) and step.serves(DECODE_ROWS) and not step.serves(DECODE_ROWS + 1)
+    assert not step.serves(0)
+    model.layers[0].mlp.activation = "gelu_pytorch_tanh"  # not SiLU: torch's path
+    assert not DenseDecodeStep.fits(model)
+    model.layers[0].mlp.activation = "silu"
+    model.compute_dtype = torch.float16  # no fp16 in decode_ops.c
+    assert not DenseDecodeStep.fits(model)
+
+
+def test_a_whole_model_forward_is_untouched_for_prefill_sized_batches() -> None:
+    model = _tiny("llama", torch.float32)
+    config = model.config
+    attention = dense_causal_attention(config.num_attention_heads, config.num_key_value_heads)
+    ids = torch.randint(0, config.vocab_size, (DECODE_ROWS + 3,))
+    calls = []
+    step = model.dense_decode
+    model.dense_decode = type("Spy", (), {"serves": staticmethod(step.serves),
+                                          "__call__": lambda self, *a: calls.append(a)})()
+    model(ids, torch.arange(len(ids)), attention)
+    assert calls == []

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.dense_decode import DenseDecodeStep
+from kvmemo.model.dense_forward import DenseForward
 from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from kvmemo.model.linear_kernels import KernelChoice, Linear
 from kvmemo.model.linear_probe import choose_kernels
@@ -151,12 +151,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # The dtype the projections and attention compute in (from_state_dict's dtype). The
-        # embedding table, the lm_head and the norms' weights stay fp32 (FP32_PARAMS).
+        # embedding table, the lm_head and the norms' weights stay fp32 (keeps_fp32).
         self.compute_dtype = torch.float32
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
-        # Dense weights' decode steps with the small ops in C, bound by prepare_linears when the
-        # model fits (dense_decode.py).
-        self.dense_decode: DenseDecodeStep | None = None
+        # The forward with its small ops in C, bound by prepare_linears when the model fits
+        # (dense_forward.py).
+        self.dense_forward: DenseForward | None = None
         self._plain_released = False
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
         # itself is an empty placeholder); empty when the weights were dequantized at load.
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         the plain ones are released (the projections' weight memory is held once, not twice);
         binding again to a kernel that reads them rebuilds them exactly from the packed copies.
         """
-        self.dense_decode = None
+        self.dense_forward = None
         if self.native_parts:
             return self._prepare_native_linears()
         self._restore_plain_weights()
@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.head = Linear(self.lm_head.weight, None, choice)
         self.linear_choice = choice
         self._release_plain_weights()
-        self.dense_decode = DenseDecodeStep(self) if DenseDecodeStep.fits(self) else None
+        self.dense_forward = DenseForward(self) if DenseForward.fits(self) else None
         return choice
 
     def _projections(self) -> list[tuple[nn.Linear, list[Linear | NativeLinear]]]:
@@ -332,8 +332,8 @@ class LlamaForCausalLM(nn.Module):
         # bf16's disagreement with fp32 (docs/benchmarks.md: 97.2% -> 99.3% teacher-forced);
         # the products and attention, where the time goes, stay bf16.
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.float()
-        if self.dense_decode is not None and self.dense_decode.serves(hidden.shape[0]):
-            return self.dense_decode(hidden, positions, attention)
+        if self.dense_forward is not None and hidden.shape[0] > 0:
+            return self.dense_forward(hidden, positions, attention)
         rope = self.rope_tables(positions, self.compute_dtype)
         for layer_idx, layer in enumerate(self.layers):
             cos, sin = rope[layer_idx]

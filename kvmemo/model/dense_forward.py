@@ -1,15 +1,16 @@
-"""A dense Llama model's decode step with its small ops in C (kernels/decode_ops.c).
+"""A dense Llama model's forward with its small ops in C (kernels/layer_ops.c).
 
 Invariant: computes what LlamaForCausalLM.forward computes through DecoderLayer.forward, with the
 same Linears and attention, only in another order of float operations: the residual add and the
 RMSNorm after it are one call, RoPE is one call in place on q/k (so q, k and v stay views of
-the qkv product, which also lets attention fold the K/V write into its decode kernel), and
+the qkv product, which also lets attention fold a decode step's K/V write into its kernel), and
 silu(gate) * up is one call; each computes in fp32 and rounds once to the compute dtype.
 Why: a decode step's ~20 small torch ops per layer (norms, casts, RoPE's eight, adds, the
-activation) each cost microseconds of dispatch for nanoseconds of work: about a quarter of a
-32-sequence decode step of SmolLM2 in bf16. Only plain DecoderLayers (no per-head norms, SiLU,
-RMSNorm with fp32 weights) in fp32 or bf16 on CPU take this path (fits), for steps of at most
-DECODE_ROWS rows (serves); every other step runs DecoderLayer.forward.
+activation) each cost microseconds of dispatch for nanoseconds of work, about a quarter of a
+32-sequence decode step of SmolLM2 in bf16; in a prefill they are memory passes and casts
+(W1 in bf16: both prefill steps 12% faster with them in C). Only plain DecoderLayers (no
+per-head norms, SiLU, RMSNorm with fp32 weights) in fp32 or bf16 on CPU take this path (fits);
+every other model runs DecoderLayer.forward.
 """
 
 from __future__ import annotations
@@ -22,22 +23,21 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from kvmemo.model.layers import RMSNorm
-from kvmemo.model.linear_kernels import DECODE_ROWS
 from kvmemo.native import load_library
 
 if TYPE_CHECKING:
     from kvmemo.model.llama import AttentionFn, DecoderLayer, LlamaForCausalLM
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_ops.c"
+SOURCE = Path(__file__).with_name("kernels") / "layer_ops.c"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_COLS = 16384  # decode_ops.c's row scratch
+MAX_COLS = 16384  # layer_ops.c's row scratch
 
 _p, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    library = load_library(SOURCE, "decode steps run their small ops through torch")
+    library = load_library(SOURCE, "the model's small ops run through torch")
     if library is None:
         return None
     library.kvmemo_add_rmsnorm.argtypes = [_p, _i64, _i64, _p, _i32, _i64, _p, ctypes.c_float,
@@ -51,7 +51,7 @@ def _library() -> ctypes.CDLL | None:
 
 def _check(status: int, what: str) -> None:
     if status != 0:
-        raise ValueError(f"decode_ops.{what}: unsupported dtype or width (fits() admits neither)")
+        raise ValueError(f"layer_ops.{what}: unsupported dtype or width (fits() admits neither)")
 
 
 def add_rmsnorm(hidden: torch.Tensor, addend: torch.Tensor | None, weight: torch.Tensor,
@@ -90,7 +90,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class DenseDecodeStep:
+class DenseForward:
     """embed -> [add + norm -> qkv -> RoPE -> attention -> o -> add + norm -> gate, up -> silu *
     up -> down] x layers -> add + final norm, for one LlamaForCausalLM with dense weights."""
 
@@ -129,10 +129,6 @@ class DenseDecodeStep:
             and model.config.intermediate_size <= MAX_COLS
         )
 
-    @staticmethod
-    def serves(rows: int) -> bool:
-        return 0 < rows <= DECODE_ROWS
-
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  attention: AttentionFn) -> torch.Tensor:
         """hidden [T, C] fp32 embeddings (not modified) -> the final-normed hidden [T, C] fp32."""
@@ -163,6 +159,6 @@ def _weight(norm: torch.nn.Module) -> torch.Tensor:
 
 
 def kernel_available() -> bool:
-    """decode_ops.c built and loaded here."""
+    """layer_ops.c built and loaded here."""
     return _library() is not None
 

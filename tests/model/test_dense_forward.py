@@ -1,6 +1,6 @@
-"""Dense decode steps with the small ops in C (dense_decode.py): each op equals its torch
-arithmetic (fp32 to rounding, bf16 rounded once from fp32), and a decode-sized step of a whole
-model equals the layer-by-layer forward, with the HF reference model agreeing on the tokens."""
+"""A dense model's forward with the small ops in C (dense_forward.py): each op equals its torch
+arithmetic (fp32 to rounding, bf16 rounded once from fp32), whole decode steps and prefills
+equal the layer-by-layer forward, and greedy tokens equal the HF reference model's."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmemo.model import dense_decode
+from kvmemo.model import dense_forward
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.dense_attention import dense_causal_attention
-from kvmemo.model.dense_decode import DenseDecodeStep, add_rmsnorm, rope_, silu_mul
+from kvmemo.model.dense_forward import DenseForward, add_rmsnorm, rope_, silu_mul
 from kvmemo.model.layers import apply_rotary
-from kvmemo.model.linear_kernels import DECODE_ROWS
 from kvmemo.model.llama import LlamaForCausalLM
 from tests.model.tiny import caching_attention, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not dense_decode.kernel_available(), reason="no C compiler")
+pytestmark = pytest.mark.skipif(not dense_forward.kernel_available(), reason="no C compiler")
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0, atol=0)}
 
 
@@ -76,22 +75,23 @@ def _tiny(kind: str, dtype: torch.dtype) -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_step_equals_the_layer_forward(kind, dtype) -> None:
-    """A 20-token prefill, then a step of one token for each of 3 "sequences" (here one
-    continued sequence with 3 new tokens): the C path against DecoderLayer.forward."""
+@pytest.mark.parametrize("rows", [3, 70])  # a decode step's rows; a prefill past PARALLEL_ROWS
+def test_a_step_equals_the_layer_forward(kind, dtype, rows) -> None:
+    """A 20-token prefill, then `rows` new tokens of the same sequence: the C path (for both
+    calls) against DecoderLayer.forward (for both)."""
     model = _tiny(kind, dtype)
-    assert model.dense_decode is not None
+    assert model.dense_forward is not None
     config = model.config
-    ids = torch.randint(0, config.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
+    total = 20 + rows
+    ids = torch.randint(0, config.vocab_size, (total,), generator=torch.Generator().manual_seed(4))
     outputs = []
+    step = model.dense_forward
     for use_c in (True, False):
-        step = model.dense_decode
+        model.dense_forward = step if use_c else None
         attention, _ = caching_attention()
-        model(ids[:20], torch.arange(20), attention)  # prefill: not a decode-sized step
-        if not use_c:
-            model.dense_decode = None
-        outputs.append(model.compute_logits(model(ids[20:], torch.arange(20, 23), attention)))
-        model.dense_decode = step
+        model(ids[:20], torch.arange(20), attention)
+        outputs.append(model.compute_logits(model(ids[20:], torch.arange(20, total), attention)))
+    model.dense_forward = step
     tolerance = 1e-4 if dtype == torch.float32 else 0.05
     scale = float(outputs[1].abs().max())
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=tolerance * scale)
@@ -114,27 +114,22 @@ def test_greedy_tokens_equal_hf_through_the_c_path() -> None:
     assert tokens == reference
 
 
-def test_the_c_path_serves_decode_sized_steps_of_plain_llama_layers_only() -> None:
+def test_the_c_path_takes_plain_llama_layers_in_fp32_or_bf16_only() -> None:
     model = _tiny("llama", torch.float32)
-    step = model.dense_decode
-    assert step is not None
-    assert step.serves(1) and step.serves(DECODE_ROWS) and not step.serves(DECODE_ROWS + 1)
-    assert not step.serves(0)
+    assert DenseForward.fits(model)
     model.layers[0].mlp.activation = "gelu_pytorch_tanh"  # not SiLU: torch's path
-    assert not DenseDecodeStep.fits(model)
+    assert not DenseForward.fits(model)
     model.layers[0].mlp.activation = "silu"
-    model.compute_dtype = torch.float16  # no fp16 in decode_ops.c
-    assert not DenseDecodeStep.fits(model)
+    model.compute_dtype = torch.float16  # no fp16 in layer_ops.c
+    assert not DenseForward.fits(model)
 
 
-def test_a_whole_model_forward_is_untouched_for_prefill_sized_batches() -> None:
+def test_the_embeddings_given_are_not_modified() -> None:
+    """inputs_embeds (a multimodal prompt's) is the caller's: the residual stream is a copy."""
     model = _tiny("llama", torch.float32)
     config = model.config
     attention = dense_causal_attention(config.num_attention_heads, config.num_key_value_heads)
-    ids = torch.randint(0, config.vocab_size, (DECODE_ROWS + 3,))
-    calls = []
-    step = model.dense_decode
-    model.dense_decode = type("Spy", (), {"serves": staticmethod(step.serves),
-                                          "__call__": lambda self, *a: calls.append(a)})()
-    model(ids, torch.arange(len(ids)), attention)
-    assert calls == []
+    embeds = torch.randn(5, config.hidden_size)
+    before = embeds.clone()
+    model(torch.zeros(5, dtype=torch.long), torch.arange(5), attention, inputs_embeds=embeds)
+    assert torch.equal(embeds, before)

@@ -3,10 +3,10 @@
  *
  * Why: a decode step of a 135M model has ~20 such ops per layer between its GEMMs; through
  * torch each costs a few microseconds of dispatch and allocation for a few hundred nanoseconds
- * of arithmetic, and they added up to a quarter of the step. Rows are few (a decode step's
- * sequences), so each call runs on the calling thread: waking the OpenMP team would cost more.
- * Arithmetic is fp32 whatever the storage dtype (fp32 or bf16, code 0 or 1), with one rounding
- * to bf16 per output value.
+ * of arithmetic, and they added up to a quarter of the step. A decode step's few rows run on
+ * the calling thread (waking the OpenMP team would cost more than their work); from
+ * PARALLEL_ROWS rows on (prefill), rows are split over the team. Arithmetic is fp32 whatever
+ * the storage dtype (fp32 or bf16, code 0 or 1), with one rounding to bf16 per output value.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,6 +52,7 @@ static void store_row(const float *src, int32_t dtype, int64_t n, void *dst) {
 }
 
 #define MAX_COLS 16384 /* a row's fp32 scratch on the stack (64 KiB) */
+#define PARALLEL_ROWS 64
 
 /* hidden[r] += addend[r] (if addend), then out[r] = (hidden[r] / rms(hidden[r])) * weight, for
  * rows r; hidden is fp32 [rows, cols] contiguous, addend rows ld_addend apart, out contiguous.
@@ -62,9 +63,10 @@ int kvmemo_add_rmsnorm(float *hidden, int64_t rows, int64_t cols, const void *ad
     if (cols > MAX_COLS || (addend && addend_dtype != F32 && addend_dtype != BF16) ||
         (out_dtype != F32 && out_dtype != BF16))
         return -1;
-    float scratch[MAX_COLS];
     const size_t out_size = out_dtype == F32 ? 4 : 2, add_size = addend_dtype == F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
+        float scratch[MAX_COLS];
         float *h = hidden + r * cols;
         if (addend) {
             load_row((const char *)addend + (size_t)(r * ld_addend) * add_size, addend_dtype,
@@ -88,10 +90,11 @@ int kvmemo_add_rmsnorm(float *hidden, int64_t rows, int64_t cols, const void *ad
 int kvmemo_rope(void *x, int32_t dtype, int64_t rows, int64_t ld, int64_t rope_cols,
                 int64_t head_dim, const float *cos, const float *sin) {
     if ((dtype != F32 && dtype != BF16) || rope_cols > MAX_COLS || head_dim % 2) return -1;
-    float row[MAX_COLS];
     const int64_t half = head_dim / 2;
     const size_t size = dtype == F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
+        float row[MAX_COLS];
         void *dst = (char *)x + (size_t)(r * ld) * size;
         load_row(dst, dtype, rope_cols, row);
         const float *c = cos + r * half, *s = sin + r * half;
@@ -114,9 +117,10 @@ int kvmemo_rope(void *x, int32_t dtype, int64_t rows, int64_t ld, int64_t rope_c
 int kvmemo_silu_mul(const void *gate, int64_t ld_gate, const void *up, int64_t ld_up,
                     int32_t dtype, int64_t rows, int64_t cols, void *out) {
     if ((dtype != F32 && dtype != BF16) || cols > MAX_COLS) return -1;
-    float g[MAX_COLS], u[MAX_COLS];
     const size_t size = dtype == F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
+        float g[MAX_COLS], u[MAX_COLS];
         load_row((const char *)gate + (size_t)(r * ld_gate) * size, dtype, cols, g);
         load_row((const char *)up + (size_t)(r * ld_up) * size, dtype, cols, u);
 #pragma omp simd

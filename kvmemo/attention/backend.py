@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 
 from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
-from kvmemo.attention.cascade import cascade_attention, cascade_prefix_state
-from kvmemo.attention.cpu_kernel import DecodeKernel, load_decode_kernel
+from kvmemo.attention.cascade import cascade_attention
+from kvmemo.attention.fused_decode import FusedDecode
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
 from kvmemo.attention.torch_ref import paged_attention_ref
@@ -54,11 +54,9 @@ class PagedAttentionBackend:
         self.workspace = Workspace()
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: StepPlan | None = None
-        self._fused_write: DecodeKernel | None = None  # a plain decode step's write + attend
-        # A pure decode step over a cascade prefix: each sequence's keys past the prefix [B]
-        # (the fused write + suffix + merge call); None when the step is not one.
-        self._cascade_write: DecodeKernel | None = None
-        self._cascade_suffix_lens: torch.Tensor | None = None
+        # This step's KV write + attention in one kernel call per part, when it is a plain
+        # decode step (fused_decode.py); None otherwise.
+        self._fused: FusedDecode | None = None
 
     def forward(
         self,
@@ -71,27 +69,12 @@ class PagedAttentionBackend:
     ) -> torch.Tensor:
         plan = self._plan_for(metadata, kv_cache)
         check_step_tensors(q, k, v, kv_cache, metadata)
-        kernel = self._fused_write
-        if kernel is not None and kernel.write_fits(q, k, v):
-            # A plain decode step: one C call writes the KV and attends (the same values as the
-            # path below, with no tensor ops between; they cost more than the work at one token).
-            return kernel.write_and_decode(
-                q, k, v, metadata.slot_mapping, kv_cache.k_pages[layer], kv_cache.v_pages[layer],
-                plan.block_tables, plan.decode_table_rows, plan.decode_seq_lens,  # type: ignore[arg-type]
-                self.scale,
-            )
-        cascade, suffix_lens = self._cascade_write, self._cascade_suffix_lens
-        if cascade is not None and suffix_lens is not None and cascade.write_fits(q, k, v):
-            # A decode step over a shared prefix: the prefix's attention (one call for all
-            # sequences), then one C call writes the KV, attends over each sequence's own keys
-            # from that state and so merges the two in place.
-            k_pages, v_pages = kv_cache.k_pages[layer], kv_cache.v_pages[layer]
-            prefix = cascade_prefix_state(q, k_pages, v_pages, metadata, plan.cascade_blocks,
-                                          self.scale, self.workspace, plan.cascade_first_block)
-            return cascade.write_and_decode(
-                q, k, v, metadata.slot_mapping, k_pages, v_pages, plan.block_tables, None,
-                suffix_lens, self.scale, first_block=plan.cascade_blocks, prefix=prefix,
-            )
+        fused = self._fused
+        if fused is not None and fused.kernel.write_fits(q, k, v):
+            # Every sequence decodes: one C call per part writes the KV and attends (from a
+            # shared prefix's attention as its starting state), with no tensor ops between;
+            # at one token they cost more than the work.
+            return fused(layer, q, k, v, kv_cache, self.scale, self.workspace)
         kv_cache.write(layer, k, v, metadata.slot_mapping)  # first: queries see their own keys
         q = fold_fp8_query(q, kv_cache, layer)
         if plan.cascade_blocks:
@@ -116,47 +99,8 @@ class PagedAttentionBackend:
             check_metadata_fits_cache(metadata, kv_cache)
             self._plan = StepPlan.build(metadata)
             self._plan_metadata = metadata
-            kernel = _fused_write_kernel(self._plan, metadata, kv_cache)
-            cascade = self._plan.cascade_blocks
-            self._fused_write = None if cascade else kernel
-            self._cascade_write = kernel if cascade else None
-            self._cascade_suffix_lens = None
-            if self._cascade_write is not None:
-                prefix_len = cascade * metadata.block_size
-                self._cascade_suffix_lens = torch.tensor(
-                    [n - prefix_len for n in metadata.seq_lens], dtype=torch.int64)
+            self._fused = FusedDecode.plan(self._plan, metadata, kv_cache)
         return self._plan
-
-
-def _fused_write_kernel(
-    plan: StepPlan, metadata: AttentionMetadata, kv_cache: PagedKVCache
-) -> DecodeKernel | None:
-    """The CPU decode kernel when this step can write its KV and attend in one call: every
-    sequence decodes, with no sliding window (that hides keys) or fp8, on fp32/bf16 pages; over
-    the whole batch's pages, or past a cascade prefix whose attention is its starting state."""
-    all_decode = all(n == 1 for n in metadata.query_lens)
-    if plan.cascade_blocks:
-        plain = not plan.prefills and all_decode
-    else:
-        plain = (not plan.groups and not plan.prefills and bool(plan.decode_seqs)
-                 and plan.decode_rows is None and not plan.decode_windowed
-                 and plan.decode_seq_lens is not None)
-    if (
-        not plain or kv_cache.is_fp8 or kv_cache.dtype not in (torch.float32, torch.bfloat16)
-        or kv_cache.k_pages[0].device.type != "cpu"
-        or metadata.slot_mapping.dtype != torch.int64
-    ):
-        return None
-    kernel = load_decode_kernel()
-    if kernel is None or not kernel.supports(
-        torch.empty(0, kv_cache.num_kv_heads, kv_cache.k_pages[0].shape[-1]), kv_cache.k_pages[0],
-        kv_cache.v_pages[0],
-    ):
-        return None
-    read = [t for t in (plan.block_tables, plan.decode_seq_lens, plan.decode_table_rows)
-            if t is not None]  # (a cascade step's suffix lengths are made by the backend)
-    contiguous = all(t.is_contiguous() for t in [*read, metadata.slot_mapping])
-    return kernel if contiguous and all(t.dtype == torch.int64 for t in read) else None
 
 
 class ReferenceAttentionBackend:

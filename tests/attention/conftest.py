@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmemo.attention import backend, cascade, paged
+from kvmemo.attention import cascade, fused_decode, paged
 from kvmemo.attention.cpu_kernel import load_decode_kernel
 
 
@@ -19,5 +19,5 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         for module in (paged, cascade):  # torch's kernels only: the compiled ones step aside
             monkeypatch.setattr(module, "load_decode_kernel", lambda: None)
             monkeypatch.setattr(module, "flash_attention", lambda *args, **kwargs: None)
-        monkeypatch.setattr(backend, "load_decode_kernel", lambda: None)  # the fused KV write
+        monkeypatch.setattr(fused_decode, "load_decode_kernel", lambda: None)  # the fused KV write
     return request.param

@@ -352,7 +352,7 @@ def test_fused_and_explicit_lse_attention_agree():
 
 def _two_prefix_batch(rng: random.Random, block_size: int, group: int, new: list[int]):
     """Sequences 0-2 share one cached prefix, 3-5 another, 6 and 7 share nothing: the whole
-    batch has no common prefix, groups of it do. Returns q, caches, metadata."""
+    batch has no common prefix, groups of it do. Returns q, the one-layer cache, metadata."""
     num_blocks = 80
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -377,7 +377,7 @@ def _two_prefix_batch(rng: random.Random, block_size: int, group: int, new: list
         block_size=block_size, num_cache_blocks=num_blocks,
     )
     q = torch.randn(md.num_tokens, NUM_KV_HEADS * group, HEAD_DIM)
-    return q, k_cache, v_cache, md
+    return q, cache, md
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -391,7 +391,8 @@ def test_groups_sharing_different_prefixes_each_go_through_cascade(any_prefix, g
     for seed, new in enumerate(([1] * 8, [5, 1, 9, 1, 1, 17, 3, 1], [4, 6, 2, 7, 3, 5, 9, 2])):
         rng = random.Random(seed * 100 + group + block_size)
         torch.manual_seed(seed)
-        q, k_cache, v_cache, md = _two_prefix_batch(rng, block_size, group, new)
+        q, cache, md = _two_prefix_batch(rng, block_size, group, new)
+        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
         assert cascade_prefix_blocks(md) == 0
         plan = StepPlan.build(md)
         assert sorted(g.prefix_blocks for g in plan.groups) == [2, 3]
@@ -448,3 +449,37 @@ def test_a_decode_step_over_a_shared_prefix_writes_attends_and_merges_in_one_cal
         assert torch.equal(flat_v[md.slot_mapping], new_v)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_a_decode_step_in_prefix_groups_writes_and_attends_per_group(any_prefix, decode_path,
+                                                                     monkeypatch):
+    """Every sequence decodes, in two prefix groups and a rest with no shared prefix: one
+    decode-kernel call per group (from its prefix's state) and one for the rest; equal to the
+    reference, with every new K/V in its slot."""
+    from kvmemo.attention.backend import PagedAttentionBackend
+    from kvmemo.attention.cpu_kernel import DecodeKernel
+
+    calls: list[bool] = []
+    real = DecodeKernel.write_and_decode
+
+    def recording(self, *args, **kwargs):
+        calls.append(kwargs.get("prefix") is not None)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeKernel, "write_and_decode", recording)
+    for seed in range(3):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        q, cache, md = _two_prefix_batch(rng, 8, 3, [1] * 8)
+        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
+        flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, D] views
+        new_k, new_v = flat_k[md.slot_mapping].clone(), flat_v[md.slot_mapping].clone()
+        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+        flat_k[md.slot_mapping] = 0  # the step must write them itself
+        flat_v[md.slot_mapping] = 0
+        calls.clear()
+        got = PagedAttentionBackend(HEAD_DIM**-0.5).forward(0, q, new_k, new_v, cache, md)
+        assert sorted(calls) == ([False, True, True] if decode_path == "kernel" else [])
+        assert torch.equal(flat_k[md.slot_mapping], new_k)
+        assert torch.equal(flat_v[md.slot_mapping], new_v)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

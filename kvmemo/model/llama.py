@@ -329,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
         self._require_linears()
         # [T, hidden] fp32: the residual stream stays fp32 whatever the compute dtype. In bf16,
         # rounding it (and the norms, the MLP's activation and the head) to bf16 cost most of
-        # bf16's disagreement with fp32 (docs/benchmarks.md: 97.2% -> 99.3% teacher-forced);
+        # bf16's disagreement with fp32 (docs/benchmarks.md: 97.2% -> 98.9-99.2% teacher-forced);
         # the products and attention, where the time goes, stay bf16.
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.float()
         if self.dense_forward is not None and hidden.shape[0] > 0:

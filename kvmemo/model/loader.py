@@ -158,7 +158,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_dtype(dtype: str | torch.dtype, weights: str, device: str) -> torch.dtype:
     """"auto" -> bfloat16 for dense weights where the hardware computes bf16 products natively
     (a CUDA GPU that supports it; a CPU with avx512_bf16 or AMX: there a bf16 GEMM runs at about
-    twice the fp32 rate, and bf16 agrees with fp32 on 99% of teacher-forced tokens, see
+    twice the fp32 rate, and bf16 agrees with fp32 on about 99% of teacher-forced tokens, see
     docs/benchmarks.md), else float32, as for native weights (their kernels take fp32
     activations). $KVMEMO_DTYPE overrides auto. A name or torch dtype stands for itself."""
     if isinstance(dtype, torch.dtype):

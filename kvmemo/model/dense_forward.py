@@ -4,7 +4,8 @@ Invariant: computes what LlamaForCausalLM.forward computes through DecoderLayer.
 same Linears and attention, only in another order of float operations: the residual add and the
 RMSNorm after it are one call, RoPE is one call in place on q/k (so q, k and v stay views of
 the qkv product, which also lets attention fold a decode step's K/V write into its kernel), and
-silu(gate) * up is one call; each computes in fp32 and rounds once to the compute dtype.
+silu(gate) * up is one call; each computes in fp32 and rounds once to the compute dtype (in
+bf16, torch's path rounds RoPE's products to bf16 with bf16 cos/sin: K differs by a bf16 ulp).
 Why: a decode step's ~20 small torch ops per layer (norms, casts, RoPE's eight, adds, the
 activation) each cost microseconds of dispatch for nanoseconds of work, about a quarter of a
 32-sequence decode step of SmolLM2 in bf16; in a prefill they are memory passes and casts
@@ -127,6 +128,7 @@ class DenseForward:
                     for n in cast("list[RMSNorm]", norms))
             and model.config.hidden_size <= MAX_COLS
             and model.config.intermediate_size <= MAX_COLS
+            and (layers[0].num_heads + layers[0].num_kv_heads) * layers[0].head_dim <= MAX_COLS
         )
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,

@@ -177,7 +177,8 @@ def _auto_dtype(weights: str, device: str) -> str:
     if weights == "native":
         return "float32"
     if torch.device(device).type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        # not emulated: bf16 on a GPU without bf16 units (before Ampere) is slower than fp32
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
     from kvmemo.native import cpu_flags
 
     flags = set(cpu_flags().split())

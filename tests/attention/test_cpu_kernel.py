@@ -145,3 +145,54 @@ def test_no_compiler_or_disabled_means_fallback(tmp_path, monkeypatch):
         assert not list(tmp_path.glob("kernels/*.so"))
     finally:
         load_decode_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [48, 64, 128])  # 64 and 128 take the vector path
+def test_write_and_decode_from_a_prefix_state(kernel, io_dtype, head_dim):
+    """write_and_decode with a cascade prefix's attention as its starting state, q/k/v strided
+    views of one qkv row as the model hands them over: the new K/V land in their slots, and the
+    output is attention over the prefix's keys and the sequence's own, new key included."""
+    torch.manual_seed(head_dim)
+    num_kv_heads, group, block_size, num_blocks, batch = 2, 3, 16, 30, 4
+    num_heads = num_kv_heads * group
+    k_pages = torch.randn(num_kv_heads, num_blocks, block_size, head_dim).to(io_dtype)
+    v_pages = torch.randn(num_kv_heads, num_blocks, block_size, head_dim).to(io_dtype)
+    prefix_blocks, prefix_len = 2, 2 * block_size
+    prefix_k = k_pages[:, :prefix_blocks].reshape(num_kv_heads, prefix_len, head_dim)
+    prefix_v = v_pages[:, :prefix_blocks].reshape(num_kv_heads, prefix_len, head_dim)
+    own = torch.arange(prefix_blocks, num_blocks)[torch.randperm(num_blocks - prefix_blocks)]
+    tables = torch.stack([torch.cat([torch.arange(prefix_blocks), own[3 * b : 3 * b + 3]])
+                          for b in range(batch)])  # [B, 5]: shared prefix, then 3 own blocks
+    lens = torch.tensor([1, 7, block_size + 1, 3 * block_size])  # own keys, the new one too
+    slots = torch.stack([tables[b, prefix_blocks + (n - 1) // block_size] * block_size
+                         + (n - 1) % block_size for b, n in enumerate(lens.tolist())])
+    qkv = torch.randn(batch, (num_heads + 2 * num_kv_heads) * head_dim).to(io_dtype)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    q = qkv[:, :q_end].view(batch, num_heads, head_dim)
+    k = qkv[:, q_end:k_end].view(batch, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].view(batch, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    # the prefix's attention (what cascade_prefix_state hands over), by torch
+    pk = prefix_k.float().repeat_interleave(group, 0)  # [Hq, Lp, D]
+    pv = prefix_v.float().repeat_interleave(group, 0)
+    prefix_scores = torch.einsum("bhd,hld->bhl", q.float(), pk) * scale
+    o_prefix = torch.einsum("bhl,hld->bhd", prefix_scores.softmax(-1), pv).contiguous()
+    lse_prefix = torch.logsumexp(prefix_scores, -1).contiguous()
+    out = kernel.write_and_decode(q, k, v, slots, k_pages, v_pages, tables, None, lens, scale,
+                                  first_block=prefix_blocks, prefix=(o_prefix, lse_prefix))
+    flat_k, flat_v = k_pages.flatten(1, 2), v_pages.flatten(1, 2)  # [Hkv, slots, D]
+    assert torch.equal(flat_k[:, slots].transpose(0, 1), k)
+    assert torch.equal(flat_v[:, slots].transpose(0, 1), v)
+    expected = []
+    for b in range(batch):
+        ids = tables[b, prefix_blocks : prefix_blocks + -(-int(lens[b]) // block_size)]
+        own_k = k_pages[:, ids].reshape(num_kv_heads, -1, head_dim)[:, : int(lens[b])]
+        own_v = v_pages[:, ids].reshape(num_kv_heads, -1, head_dim)[:, : int(lens[b])]
+        keys = torch.cat([prefix_k, own_k], 1).float().repeat_interleave(group, 0)
+        values = torch.cat([prefix_v, own_v], 1).float().repeat_interleave(group, 0)
+        scores = torch.einsum("hd,hld->hl", q[b].float(), keys) * scale
+        expected.append(torch.einsum("hl,hld->hd", scores.softmax(-1), values))
+    assert out.dtype == io_dtype
+    tolerance = 2e-5 if io_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), torch.stack(expected), atol=tolerance, rtol=tolerance)

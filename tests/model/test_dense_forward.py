@@ -17,7 +17,10 @@ from kvmemo.model.llama import LlamaForCausalLM
 from tests.model.tiny import caching_attention, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not dense_forward.kernel_available(), reason="no C compiler")
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0, atol=0)}
+# bf16: one rounding of the fp32 result, which may land a bf16 ulp apart where the compiler fuses
+# a multiply-add that torch rounds twice
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5),
+             torch.bfloat16: dict(rtol=2**-7, atol=1e-6)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,7 +78,7 @@ def _tiny(kind: str, dtype: torch.dtype) -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [3, 70])  # a decode step's rows; a prefill past PARALLEL_ROWS
+@pytest.mark.parametrize("rows", [3, 70])  # a short chunk on one thread; one split over threads
 def test_a_step_equals_the_layer_forward(kind, dtype, rows) -> None:
     """A 20-token prefill, then `rows` new tokens of the same sequence: the C path (for both
     calls) against DecoderLayer.forward (for both)."""

@@ -8,6 +8,8 @@
  * query heads sharing a kv head share each loaded key tile (grouped-query attention without
  * repeats). Vectors are as wide as the build target's registers (VL: 16 lanes with AVX-512, else 8).
  * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded.
+ * kvmemo_paged_decode_write may start each softmax from attention over earlier keys (o_prefix,
+ * lse_prefix: a cascade's shared prefix), so its output covers both sets of keys.
  */
 #include <math.h>
 #include <stdint.h>
@@ -303,6 +305,14 @@ static inline __attribute__((always_inline)) void attend_one(
 
 /* The new token's key and value of (sequence b, kv head h) into its slot, in the pages' dtype
  * (fp32 copied; bf16 rounded to nearest even, as torch's cast). */
+/* fp32 -> bf16, rounding to nearest even as torch's cast does; a NaN stays a NaN. */
+static inline uint16_t bf16_bits(float x) {
+    uint32_t a;
+    memcpy(&a, &x, 4);
+    if ((a & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((a >> 16) | 0x40u);
+    return (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
+}
+
 static inline void write_slot(const float *k, const float *v, void *k_pages, void *v_pages,
                               int dtype, int64_t offset, int64_t D) {
     if (dtype == KV_F32) {
@@ -312,11 +322,8 @@ static inline void write_slot(const float *k, const float *v, void *k_pages, voi
     }
     uint16_t *kd = (uint16_t *)k_pages + offset, *vd = (uint16_t *)v_pages + offset;
     for (int64_t d = 0; d < D; d++) {
-        uint32_t a, b;
-        memcpy(&a, k + d, 4);
-        memcpy(&b, v + d, 4);
-        kd[d] = (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
-        vd[d] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+        kd[d] = bf16_bits(k[d]);
+        vd[d] = bf16_bits(v[d]);
     }
 }
 
@@ -337,11 +344,7 @@ static inline void store_io(const float *src, int io, int64_t n, void *dst) {
         return;
     }
     uint16_t *d = (uint16_t *)dst;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t a;
-        memcpy(&a, src + i, 4);
-        d[i] = (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) d[i] = bf16_bits(src[i]);
 }
 
 /* The whole decode attention of one layer. q/k_new/v_new/out are fp32 or bf16 (io, one dtype
@@ -413,6 +416,7 @@ int kvmemo_paged_decode_write(const void *q, int64_t q_stride, const void *k_new
                               int64_t D, int64_t bs, int64_t num_blocks, float scale,
                               const float *o_prefix, const float *lse_prefix, void *out) {
     if ((dtype != KV_F32 && dtype != KV_BF16) || (io != 0 && io != 1)) return 2;
+    if ((o_prefix == NULL) != (lse_prefix == NULL)) return 2; /* a starting state needs both */
     return paged_decode(q, q_stride, k_new, v_new, kv_stride, io, slots, k_pages, v_pages, dtype,
                         block_tables, table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv,
                         D, bs, num_blocks, scale, out, NULL, o_prefix, lse_prefix);

@@ -1,5 +1,6 @@
-/* The small ops of a dense decoder layer's decode step, each one call over all its rows: the
- * residual add with the RMSNorm after it, RoPE in place, SiLU(gate) * up.
+/* The small ops of a dense decoder layer between its GEMMs, each one call over all of a step's
+ * rows (decode or prefill): the residual add with the RMSNorm after it, RoPE in place,
+ * SiLU(gate) * up.
  *
  * Why: a decode step of a 135M model has ~20 such ops per layer between its GEMMs; through
  * torch each costs a few microseconds of dispatch and allocation for a few hundred nanoseconds
@@ -89,7 +90,9 @@ int kvmemo_add_rmsnorm(float *hidden, int64_t rows, int64_t cols, const void *ad
  * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; rows ld apart; cos/sin fp32 [rows, head_dim/2]. */
 int kvmemo_rope(void *x, int32_t dtype, int64_t rows, int64_t ld, int64_t rope_cols,
                 int64_t head_dim, const float *cos, const float *sin) {
-    if ((dtype != F32 && dtype != BF16) || rope_cols > MAX_COLS || head_dim % 2) return -1;
+    if ((dtype != F32 && dtype != BF16) || rope_cols > MAX_COLS || head_dim % 2 ||
+        rope_cols % head_dim)
+        return -1;
     const int64_t half = head_dim / 2;
     const size_t size = dtype == F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)

@@ -222,6 +222,22 @@ class PagedKVCache:
         copied as stored, so fp8 pages keep their (per-head, not per-block) scales valid.
         """
         all_pages = self.distinct_pages
+        sources = {src for src, _, _ in copies}
+        destinations = [dst for _, dst, _ in copies]
+        if len(copies) > 1 and not sources & set(destinations) \
+                and len(set(destinations)) == len(destinations):
+            # Independent copies (a step's new sequences each copying a shared partial block):
+            # one gather and one scatter per page tensor instead of one copy per block and layer.
+            bs = self.block_size
+            src_slots = torch.cat([torch.arange(s * bs, s * bs + n) for s, _, n in copies])
+            dst_slots = torch.cat([torch.arange(d * bs, d * bs + n) for _, d, n in copies])
+            for pages in all_pages:
+                flat = pages.view(pages.shape[0], -1, pages.shape[-1])  # [Hkv, slots, D]
+                if flat.dtype == FP8_DTYPE:  # index ops lack fp8 kernels; the bytes are the same
+                    flat = flat.view(torch.uint8)
+                from_slots, to_slots = src_slots.to(flat.device), dst_slots.to(flat.device)
+                flat.index_copy_(1, to_slots, flat.index_select(1, from_slots))
+            return
         for src, dst, num_tokens in copies:
             for pages in all_pages:
                 pages[:, dst, :num_tokens].copy_(pages[:, src, :num_tokens])

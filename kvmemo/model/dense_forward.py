@@ -9,7 +9,7 @@ bf16, torch's path rounds RoPE's products to bf16 with bf16 cos/sin: K differs b
 Why: a decode step's ~20 small torch ops per layer (norms, casts, RoPE's eight, adds, the
 activation) each cost microseconds of dispatch for nanoseconds of work, about a quarter of a
 32-sequence decode step of SmolLM2 in bf16; in a prefill they are memory passes and casts
-(W1 in bf16: both prefill steps 12% faster with them in C). Only plain DecoderLayers (no
+(W1 in bf16: its two prefill steps 10-13% faster with them in C). Only plain DecoderLayers (no
 per-head norms, SiLU, RMSNorm with fp32 weights) in fp32 or bf16 on CPU take this path (fits);
 every other model runs DecoderLayer.forward.
 """

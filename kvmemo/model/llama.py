@@ -54,9 +54,11 @@ class DecoderLayer(nn.Module):
 
     # Native weights' decode step in two kernel calls (native_layer.py), set when it fits.
     fused_step: FusedDecodeStep | None = None
-    # The projections' (and attention's) dtype; the residual stream `hidden` is fp32 in every
-    # mode (from_state_dict sets it).
-    compute_dtype: torch.dtype = torch.float32
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The projections' (and attention's) dtype: their weights'. The residual stream
+        `hidden` is fp32 in every mode."""
+        return self.qkv_proj.weight.dtype
 
     def forward(
         self,
@@ -150,9 +152,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The dtype the projections and attention compute in (from_state_dict's dtype). The
-        # embedding table, the lm_head and the norms' weights stay fp32 (keeps_fp32).
-        self.compute_dtype = torch.float32
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
         # The forward with its small ops in C, bound by prepare_linears when the model fits
         # (dense_forward.py).
@@ -303,9 +302,6 @@ class LlamaForCausalLM(nn.Module):
                 setattr(model.get_submodule(module), attr, nn.Parameter(weight))
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.compute_dtype = dtype
-        for layer in model.layers:
-            cast(DecoderLayer, layer).compute_dtype = dtype
         return model.eval()
 
     @torch.inference_mode()
@@ -339,6 +335,12 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = rope[layer_idx]
             hidden = layer(layer_idx, hidden, cos, sin, attention)
         return self.norm(hidden)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the projections and attention compute in (from_state_dict's dtype). The
+        embedding table, the lm_head and the norms' weights stay fp32 (keeps_fp32)."""
+        return cast(DecoderLayer, self.layers[0]).compute_dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] fp32, the residual stream's dtype (Gemma scales them); a

@@ -402,26 +402,51 @@ def test_groups_sharing_different_prefixes_each_go_through_cascade(any_prefix, g
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[bool]:
+    """Per decode-kernel write_and_decode call this step, whether it started from a prefix's
+    attention."""
+    from kvmemo.attention.cpu_kernel import DecodeKernel
+
+    calls: list[bool] = []
+    real = DecodeKernel.write_and_decode
+
+    def recording(self, *args, **kwargs):
+        calls.append(kwargs.get("prefix") is not None)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeKernel, "write_and_decode", recording)
+    return calls
+
+
+def _decode_step(q: torch.Tensor, cache: PagedKVCache, md: AttentionMetadata,
+                 calls: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backend's forward over a step whose new K/V the build already wrote: the slots are
+    zeroed first, so the step must write them itself (checked). Returns (got, the reference)."""
+    from kvmemo.attention.backend import PagedAttentionBackend
+
+    k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, D] views
+    new_k, new_v = flat_k[md.slot_mapping].clone(), flat_v[md.slot_mapping].clone()
+    expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
+    flat_k[md.slot_mapping] = 0
+    flat_v[md.slot_mapping] = 0
+    calls.clear()
+    got = PagedAttentionBackend(HEAD_DIM**-0.5).forward(0, q, new_k, new_v, cache, md)
+    assert torch.equal(flat_k[md.slot_mapping], new_k)
+    assert torch.equal(flat_v[md.slot_mapping], new_v)
+    return got, expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ascending", [True, False])
 def test_a_decode_step_over_a_shared_prefix_writes_attends_and_merges_in_one_call(
-    any_prefix, decode_path, monkeypatch, dtype, ascending
+    any_prefix, decode_path, kernel_calls, dtype, ascending
 ):
     """A step where every sequence decodes over a cascade prefix: the backend computes the
     prefix's attention, then one decode-kernel call writes each new K/V into its slot and attends
     over the sequence's own keys from the prefix's state. Equals the reference (which writes
     first, then attends over all keys), and the K/V land in their slots."""
-    from kvmemo.attention.backend import PagedAttentionBackend
-    from kvmemo.attention.cpu_kernel import DecodeKernel
-
-    with_prefix: list[bool] = []
-    real = DecodeKernel.write_and_decode
-
-    def recording(self, *args, **kwargs):
-        with_prefix.append(kwargs.get("prefix") is not None)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(DecodeKernel, "write_and_decode", recording)
     for seed in range(4):
         rng = random.Random(seed)
         torch.manual_seed(seed)
@@ -434,52 +459,22 @@ def test_a_decode_step_over_a_shared_prefix_writes_attends_and_merges_in_one_cal
             prefix_blocks=prefix_blocks, block_size=block_size, group=3, computed=computed,
             new=[1] * num_seqs, rng=rng, dtype=dtype, ascending_prefix=ascending,
         )
-        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
-        flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, D] views
-        new_k = flat_k[md.slot_mapping].clone()  # what the build wrote: this step's K/V
-        new_v = flat_v[md.slot_mapping].clone()
-        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
-        flat_k[md.slot_mapping] = 0  # the step must write them itself
-        flat_v[md.slot_mapping] = 0
-        with_prefix.clear()
-        got = PagedAttentionBackend(HEAD_DIM**-0.5).forward(0, q, new_k, new_v, cache, md)
-        assert with_prefix == ([True] if decode_path == "kernel" else [])
+        got, expected = _decode_step(q, cache, md, kernel_calls)
+        assert kernel_calls == ([True] if decode_path == "kernel" else [])
         assert got.dtype == dtype
-        assert torch.equal(flat_k[md.slot_mapping], new_k)
-        assert torch.equal(flat_v[md.slot_mapping], new_v)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
 def test_a_decode_step_in_prefix_groups_writes_and_attends_per_group(any_prefix, decode_path,
-                                                                     monkeypatch):
+                                                                     kernel_calls):
     """Every sequence decodes, in two prefix groups and a rest with no shared prefix: one
     decode-kernel call per group (from its prefix's state) and one for the rest; equal to the
     reference, with every new K/V in its slot."""
-    from kvmemo.attention.backend import PagedAttentionBackend
-    from kvmemo.attention.cpu_kernel import DecodeKernel
-
-    calls: list[bool] = []
-    real = DecodeKernel.write_and_decode
-
-    def recording(self, *args, **kwargs):
-        calls.append(kwargs.get("prefix") is not None)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(DecodeKernel, "write_and_decode", recording)
     for seed in range(3):
         rng = random.Random(seed)
         torch.manual_seed(seed)
         q, cache, md = _two_prefix_batch(rng, 8, 3, [1] * 8)
-        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0]
-        flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, Hkv, D] views
-        new_k, new_v = flat_k[md.slot_mapping].clone(), flat_v[md.slot_mapping].clone()
-        expected = paged_attention_ref(q, k_cache, v_cache, md, HEAD_DIM**-0.5)
-        flat_k[md.slot_mapping] = 0  # the step must write them itself
-        flat_v[md.slot_mapping] = 0
-        calls.clear()
-        got = PagedAttentionBackend(HEAD_DIM**-0.5).forward(0, q, new_k, new_v, cache, md)
-        assert sorted(calls) == ([False, True, True] if decode_path == "kernel" else [])
-        assert torch.equal(flat_k[md.slot_mapping], new_k)
-        assert torch.equal(flat_v[md.slot_mapping], new_v)
+        got, expected = _decode_step(q, cache, md, kernel_calls)
+        assert sorted(kernel_calls) == ([False, True, True] if decode_path == "kernel" else [])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -68,11 +68,12 @@ def test_silu_mul_rounds_once(dtype) -> None:
                                atol=atol)
 
 
-def _tiny(kind: str, dtype: torch.dtype) -> LlamaForCausalLM:
+def _tiny(kind: str, dtype: torch.dtype, prepare: bool = True) -> LlamaForCausalLM:
     hf = tiny_hf_model(kind)
     config = ModelArchConfig.from_hf_config(hf.config.to_dict())
     model = LlamaForCausalLM.from_state_dict(config, hf.state_dict(), dtype=dtype)
-    model.prepare_linears()
+    if prepare:
+        model.prepare_linears()
     return model
 
 
@@ -123,7 +124,7 @@ def test_the_c_path_takes_plain_llama_layers_in_fp32_or_bf16_only() -> None:
     model.layers[0].mlp.activation = "gelu_pytorch_tanh"  # not SiLU: torch's path
     assert not DenseForward.fits(model)
     model.layers[0].mlp.activation = "silu"
-    model.compute_dtype = torch.float16  # no fp16 in layer_ops.c
+    model = _tiny("llama", torch.float16, prepare=False)  # no fp16 in layer_ops.c
     assert not DenseForward.fits(model)
 
 

@@ -327,17 +327,6 @@ static inline void write_slot(const float *k, const float *v, void *k_pages, voi
     }
 }
 
-/* n fp32 values from fp32 (io = 0) or bf16 (io = 1) storage. */
-static inline void load_io(const void *src, int io, int64_t n, float *dst) {
-    if (io == 0) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
-    }
-    const uint16_t *s = (const uint16_t *)src;
-    uint32_t *d = (uint32_t *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
-}
-
 static inline void store_io(const float *src, int io, int64_t n, void *dst) {
     if (io == 0) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
@@ -363,16 +352,16 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     for (int64_t item = 0; item < B * Hkv; item++) {
         int64_t b = item / Hkv, h = item % Hkv;
         int64_t head_offset = h * num_blocks * bs;
+        /* io's codes are KV_F32 / KV_BF16, so to_f32 reads q, k_new and v_new too */
         if (slots) { /* this (sequence, head) alone reads the slot: no other item races on it */
-            float kv[2 * MAX_D];
-            load_io((const char *)k_new + (b * kv_stride + h * D) * io_bytes, io, D, kv);
-            load_io((const char *)v_new + (b * kv_stride + h * D) * io_bytes, io, D, kv + D);
-            write_slot(kv, kv + D, (void *)k_pages, (void *)v_pages, dtype,
-                       (head_offset + slots[b]) * D, D);
+            float kbuf[MAX_D], vbuf[MAX_D];
+            const int64_t at = b * kv_stride + h * D;
+            write_slot(to_f32(k_new, at, D, io, kbuf), to_f32(v_new, at, D, io, vbuf),
+                       (void *)k_pages, (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
         }
         float qs[MAX_GROUP * MAX_D], o32[MAX_GROUP * MAX_D];
-        load_io((const char *)q + (b * q_stride + h * G * D) * io_bytes, io, G * D, qs);
-        for (int64_t i = 0; i < G * D; i++) qs[i] *= scale * LOG2E;
+        const float *qb = to_f32(q, b * q_stride + h * G * D, G * D, io, qs);
+        for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
         const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
         float *ob = io ? o32 : (float *)out + (b * Hq + h * G) * D;
         float *lb = lse ? lse + b * Hq + h * G : 0;

@@ -1,5 +1,5 @@
 """kvmemo's CPU flash kernel (kernels/flash_attention.c) against the explicit softmax attention:
-shapes with row and key tails, one and several key tiles, head sizes 64-256, grouped rows,
+shapes with row and key tails, one and several key tiles and softmax chunks, head sizes 64-256, grouped rows,
 per-row last keys (causal, padded lengths), fp32 and bf16."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from kvmemo.attention.flash_kernel import flash_attention
 
 SHAPES = [  # B, H, M rows, L keys, D
     (1, 3, 96, 1024, 64),  # a decode batch against a shared 1,024-token prefix
+    (1, 2, 19, 1300, 64),  # softmax chunks of 512 keys: two whole, one of 276 (a key tail)
     (2, 3, 37, 200, 64),  # row tail (37 = 6 * 6 + 1), key tail (200 = 3 * 64 + 8)
     (1, 2, 5, 3, 128),  # fewer rows than a block, fewer keys than a tile
     (1, 1, 13, 70, 256),  # Gemma's head size

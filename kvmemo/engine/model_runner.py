@@ -163,7 +163,14 @@ class ModelRunner:
         last_rows = torch.tensor(
             [metadata.query_start_loc[i + 1] - 1 for i in sampling], device=self.device
         )
-        logits = self.model.compute_logits(hidden.index_select(0, last_rows)).float()  # [N, vocab]
+        hidden = hidden.index_select(0, last_rows)  # [N, hidden]
+        if not self.capture_logits and all(_plain_greedy(seqs[i]) for i in sampling):
+            greedy = self._greedy_tokens(hidden)
+            if greedy is not None:
+                sampled = {seqs[i].request_id: SampledToken(t, None, None)
+                           for i, t in zip(sampling, greedy)}
+                return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
+        logits = self.model.compute_logits(hidden).float()  # [N, vocab]
         if self.capture_logits:
             self.last_logits = logits.clone()
         logprobs_rows: dict[str, torch.Tensor] = {}
@@ -180,6 +187,19 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled=sampled, logprobs_rows=logprobs_rows, prompt_logprobs=prompt_logprobs
         )
+
+    def _greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax token of each row's fp32 logits through the model's greedy head (without
+        the full fp32 head product), or None when the model has none."""
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        tokens = None if greedy_tokens is None else greedy_tokens(hidden)
+        if tokens is None:
+            return None
+        unresolved = (tokens < 0).nonzero().flatten()
+        if unresolved.numel():  # a non-finite logit: the full head decides, as the sampler would
+            full = self.model.compute_logits(hidden.index_select(0, unresolved)).float()
+            tokens[unresolved] = full.argmax(dim=-1)
+        return tokens.tolist()
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, seqs: list[ScheduledSequence], metadata: AttentionMetadata
@@ -304,3 +324,10 @@ class ModelRunner:
             return backend.forward(layer, q, k, v, kv_cache, layer_metadata[layer])
 
         return attention
+
+
+def _plain_greedy(seq: ScheduledSequence) -> bool:
+    """The sequence's token is its logits' argmax and nothing else is read from them."""
+    params = seq.sampling_params
+    return (params.is_greedy and params.logprobs is None and not params.has_penalties
+            and seq.constraint is None and not seq.return_logprobs_row)

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.dense_forward import DenseForward
+from kvmemo.model.greedy_head import GreedyHead
 from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from kvmemo.model.linear_kernels import KernelChoice, Linear
 from kvmemo.model.linear_probe import choose_kernels
@@ -156,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
         # The forward with its small ops in C, bound by prepare_linears when the model fits
         # (dense_forward.py).
         self.dense_forward: DenseForward | None = None
+        # Greedy rows' tokens without the full fp32 head (greedy_head.py), bound likewise.
+        self.greedy_head: GreedyHead | None = None
         self._plain_released = False
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
         # itself is an empty placeholder); empty when the weights were dequantized at load.
@@ -207,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
         binding again to a kernel that reads them rebuilds them exactly from the packed copies.
         """
         self.dense_forward = None
+        self.greedy_head = None
         if self.native_parts:
             return self._prepare_native_linears()
         self._restore_plain_weights()
@@ -220,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
         self.linear_choice = choice
         self._release_plain_weights()
         self.dense_forward = DenseForward(self) if DenseForward.fits(self) else None
+        head_weight = self.lm_head.weight.detach()
+        self.greedy_head = GreedyHead(head_weight) if GreedyHead.available(head_weight) else None
         return choice
 
     def _projections(self) -> list[tuple[nn.Linear, list[Linear | NativeLinear]]]:
@@ -364,6 +370,13 @@ class LlamaForCausalLM(nn.Module):
         self._require_linears()
         return self.head(hidden).float()
 
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> int64 [N]: argmax of the fp32 logits (-1: a row to compute in
+        full), or None when this model has no greedy head (then use compute_logits)."""
+        self._require_linears()
+        return None if self.greedy_head is None else self.greedy_head(hidden)
+
     def param_count(self) -> int:
         native = sum(p.shape[0] * p.shape[1] for parts in self.native_parts.values() for p in parts)
         return native + sum(p.numel() for p in self.parameters())  # tied weights counted once
@@ -382,6 +395,8 @@ class LlamaForCausalLM(nn.Module):
             total += sum(lin.packed_bytes for _, linears in self._projections() for lin in linears)
             if self.lm_head.weight is self.embed_tokens.weight:
                 total += self.head.packed_bytes  # not among _projections: the table stays
+        if self.greedy_head is not None:
+            total += self.greedy_head.nbytes
         return total
 
     @torch.no_grad()

@@ -175,6 +175,9 @@ class LlavaForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.greedy_tokens(hidden)
+
     def prepare_linears(self, choice: KernelChoice | None = None) -> KernelChoice:
         return self.language_model.prepare_linears(choice)
 

@@ -1,0 +1,85 @@
+"""The greedy head (model/greedy_head.py): the argmax of the fp32 logits from a bf16 product and
+an fp32 check, against F.linear's fp32 argmax; its error bound against oneDNN's bf16 product;
+and the bundled model's greedy tokens with the head on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmemo import LLM, SamplingParams
+from kvmemo.model.greedy_head import GreedyHead, relative_error_bound
+
+needs_head = pytest.mark.skipif(
+    not GreedyHead.available(torch.zeros(1, 1)),
+    reason="the greedy head needs bf16 products (avx512_bf16 or AMX), oneDNN and a C compiler",
+)
+
+
+def _near_ties(vocab: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Weights whose rows come in groups of near copies: their logits differ by far less than
+    bf16 resolves, so the bf16 maximum alone picks the wrong token often."""
+    base = torch.randn(vocab // 8 + 1, dim, generator=gen) * 0.05
+    rows = base.repeat_interleave(8, dim=0)[:vocab]
+    return rows + torch.randn(vocab, dim, generator=gen) * 1e-4
+
+
+@needs_head
+@pytest.mark.parametrize("rows", [1, 7, 32, 33])
+@pytest.mark.parametrize("vocab", [1000, 4099])  # 4,099: a tail past the 16-wide scan
+def test_tokens_equal_the_fp32_argmax(rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 7919 + vocab)
+    weight = _near_ties(vocab, 96, gen)
+    hidden = torch.randn(rows, 96, generator=gen) * 3
+    exact = F.linear(hidden, weight)
+    coarse_pick = F.linear(hidden.bfloat16(), weight.bfloat16()).float().argmax(dim=-1)
+    expected = exact.argmax(dim=-1)
+    got = GreedyHead(weight)(hidden)
+    assert got.dtype == torch.int64
+    # near copies' logits differ by ~1e-3, far above fp32 summation-order differences
+    assert torch.equal(got, expected)
+    if rows >= 7:  # the data defeats the bf16 maximum alone: the check is what got it right
+        assert (coarse_pick != expected).any()
+
+
+@needs_head
+def test_the_bound_holds_for_onednn_bf16_products() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(4096, 576, generator=gen) * 0.05
+    hidden = torch.randn(64, 576, generator=gen) * 4
+    head = GreedyHead(weight)
+    coarse = head.coarse(hidden.bfloat16()).float()
+    exact = F.linear(hidden.double(), weight.double())
+    bound = relative_error_bound(576) * hidden.norm(dim=1)[:, None] * weight.norm(dim=1)[None]
+    error = (coarse.double() - exact).abs()
+    assert torch.all(error <= bound)
+    assert error.max() > bound.max() / 1000  # the bound is not vacuous far off the errors
+
+
+@needs_head
+def test_a_non_finite_row_is_left_to_the_full_head() -> None:
+    weight = torch.randn(300, 64)
+    hidden = torch.randn(3, 64)
+    hidden[1, 5] = float("inf")
+    got = GreedyHead(weight)(hidden)
+    assert got[1] == -1
+    assert got[0] == F.linear(hidden[:1], weight).argmax() and got[2] >= 0
+
+
+@needs_head
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bundled_model_tokens_with_and_without_the_greedy_head(dtype: str) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(dtype=dtype, num_blocks=128, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    with_head = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert model.greedy_head is not None
+    head, model.greedy_head = model.greedy_head, None
+    try:
+        without = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        model.greedy_head = head
+    assert with_head == without

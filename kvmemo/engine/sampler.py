@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemo.engine.fused_sampling import can_sample_rows, sample_rows
 from kvmemo.sampling import SamplingParams
 from kvmemo.structured.grammar import Constraint, allowed_token_masks
 
@@ -63,11 +64,21 @@ class Sampler:
             logits = _masked_by_grammar(logits, constraints, in_place=not keep_raw)
         if any(p.has_penalties for p in params):
             logits = self._penalized(logits, params, histories or [None] * len(params))
-        token_ids = torch.argmax(logits, dim=-1)  # [N]; greedy rows are done
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if len(random_rows) < len(params):
+            token_ids = torch.argmax(logits, dim=-1)  # [N]; greedy rows are done
+        else:  # every row samples: an argmax pass over the vocabulary would be thrown away
+            token_ids = torch.zeros(len(params), dtype=torch.int64, device=logits.device)
+        plain = [i for i in random_rows if _temperature_only(params[i], logits.shape[-1])]
+        if plain and len(plain) == len(random_rows) and can_sample_rows(logits):
+            for i, token in self._sample_plain(logits, params, num_output_tokens, plain).items():
+                token_ids[i] = token
+            random_rows = []  # done
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            probs = self._filtered_probs(logits[rows], [params[i] for i in random_rows])
+            sampled_logits = logits  # every row: no gathered copy of [N, vocab]
+            if len(random_rows) < len(params):
+                sampled_logits = logits[torch.tensor(random_rows, device=logits.device)]
+            probs = self._filtered_probs(sampled_logits, [params[i] for i in random_rows])
             # A row with no usable probability mass (an overflow no check foresaw) keeps its
             # argmax: one request must never fail the step its whole batch shares.
             sums = probs.sum(dim=-1)  # NaN or inf anywhere in a row makes its sum so too
@@ -160,6 +171,38 @@ class Sampler:
             logits[dead] = raw_logits[dead]
         return logits
 
+    def _sample_plain(
+        self, logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int],
+        rows: list[int],
+    ) -> dict[int, int]:
+        """Rows sampled at their temperature alone, through the C kernel (fused_sampling.py):
+        row -> token. A row with no usable mass keeps its argmax and draws no uniform, as on
+        the torch path, and the draws are those the torch path would take."""
+        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
+        # usable: a finite maximum and no NaN (amax propagates NaN); then softmax's total is
+        # finite and at least 1, as the torch path's check finds
+        usable = torch.isfinite(picked.amax(dim=-1)).tolist()
+        live = [j for j, ok in enumerate(usable) if ok]
+        draws = [
+            float(torch.rand(1, generator=self._generator_for(params[rows[j]],
+                                                              num_output_tokens[rows[j]]),
+                             device=self.device))
+            for j in live
+        ]
+        source = picked if len(live) == len(rows) else picked[torch.tensor(live)]
+        temperatures = [params[rows[j]].temperature for j in live]
+        tokens = sample_rows(source.contiguous(), temperatures, draws) if live else []
+        if tokens is None:  # the kernel could not run after all: the same draws through torch
+            probs = torch.softmax(source / torch.tensor(temperatures)[:, None], dim=-1)
+            tokens = _inverse_cdf(probs, torch.tensor(draws)).tolist()
+        out: dict[int, int] = {}
+        for j, ok in enumerate(usable):
+            if not ok:
+                logger.warning("sampling row %d has no usable probabilities: greedy", rows[j])
+                out[rows[j]] = int(torch.nan_to_num(picked[j], nan=float("-inf")).argmax())
+        out.update({rows[j]: token for j, token in zip(live, tokens)})
+        return out
+
     def _generator_for(self, params: SamplingParams, step: int) -> torch.Generator:
         if params.seed is None:
             return self.default_generator
@@ -171,8 +214,9 @@ class Sampler:
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p cuts; returns probabilities [n, vocab]."""
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature[:, None]
+        if any(p.temperature != 1.0 for p in params):  # x / 1.0 is x: skip the pass
+            temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+            logits = logits / temperature[:, None]
         if any(p.top_k > 0 for p in params):
             vocab = logits.shape[-1]
             # top_k beyond the vocabulary means no cut (and would overflow an int64 tensor).
@@ -215,6 +259,12 @@ class Sampler:
                 top = dict(zip(indices.tolist(), values.tolist()))
             out.append(SampledToken(t, float(logprobs[i, t]), top))
         return out
+
+
+def _temperature_only(params: SamplingParams, vocab: int) -> bool:
+    """A sampling row with no top-k, top-p or min-p cut: softmax at its temperature alone."""
+    return ((params.top_k <= 0 or params.top_k >= vocab) and params.top_p >= 1.0
+            and params.min_p <= 0.0)
 
 
 def _masked_by_grammar(

@@ -69,39 +69,8 @@ class Sampler:
             token_ids = torch.argmax(logits, dim=-1)  # [N]; greedy rows are done
         else:  # every row samples: an argmax pass over the vocabulary would be thrown away
             token_ids = torch.zeros(len(params), dtype=torch.int64, device=logits.device)
-        plain = [i for i in random_rows if _temperature_only(params[i], logits.shape[-1])]
-        if plain and len(plain) == len(random_rows) and can_sample_rows(logits):
-            for i, token in self._sample_plain(logits, params, num_output_tokens, plain).items():
-                token_ids[i] = token
-            random_rows = []  # done
         if random_rows:
-            sampled_logits = logits  # every row: no gathered copy of [N, vocab]
-            if len(random_rows) < len(params):
-                sampled_logits = logits[torch.tensor(random_rows, device=logits.device)]
-            probs = self._filtered_probs(sampled_logits, [params[i] for i in random_rows])
-            # A row with no usable probability mass (an overflow no check foresaw) keeps its
-            # argmax: one request must never fail the step its whole batch shares.
-            sums = probs.sum(dim=-1)  # NaN or inf anywhere in a row makes its sum so too
-            usable = (torch.isfinite(sums) & (sums > 0)).tolist()
-            # Inverse-CDF draws: one uniform per row from the row's own generator, then one
-            # batched cumsum and search. torch.multinomial drew a random per vocabulary entry
-            # (49,152 here): 48 ms for 64 rows, a fifth of a served decode step.
-            draws = [
-                float(torch.rand(
-                    1, generator=self._generator_for(params[i], num_output_tokens[i]),
-                    device=self.device,
-                ))
-                if usable[j] else 0.0
-                for j, i in enumerate(random_rows)
-            ]
-            uniforms = torch.tensor(draws, dtype=probs.dtype, device=logits.device)
-            drawn = _inverse_cdf(probs, uniforms).tolist()
-            for j, i in enumerate(random_rows):
-                if not usable[j]:
-                    logger.warning("sampling row %d has no usable probabilities: greedy", i)
-                    token_ids[i] = torch.nan_to_num(logits[i], nan=float("-inf")).argmax()
-                else:
-                    token_ids[i] = drawn[j]
+            self._sample_random(logits, params, num_output_tokens, random_rows, token_ids)
         return self._with_logprobs(raw, token_ids, params)
 
     def _penalized(
@@ -171,37 +140,67 @@ class Sampler:
             logits[dead] = raw_logits[dead]
         return logits
 
-    def _sample_plain(
+    def _sample_random(
         self, logits: torch.Tensor, params: list[SamplingParams], num_output_tokens: list[int],
-        rows: list[int],
-    ) -> dict[int, int]:
-        """Rows sampled at their temperature alone, through the C kernel (fused_sampling.py):
-        row -> token. A row with no usable mass keeps its argmax and draws no uniform, as on
-        the torch path, and the draws are those the torch path would take."""
-        picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
-        # usable: a finite maximum and no NaN (amax propagates NaN); then softmax's total is
-        # finite and at least 1, as the torch path's check finds
-        usable = torch.isfinite(picked.amax(dim=-1)).tolist()
-        live = [j for j, ok in enumerate(usable) if ok]
-        draws = [
-            float(torch.rand(1, generator=self._generator_for(params[rows[j]],
-                                                              num_output_tokens[rows[j]]),
-                             device=self.device))
-            for j in live
-        ]
-        source = picked if len(live) == len(rows) else picked[torch.tensor(live)]
-        temperatures = [params[rows[j]].temperature for j in live]
-        tokens = sample_rows(source.contiguous(), temperatures, draws) if live else []
-        if tokens is None:  # the kernel could not run after all: the same draws through torch
-            probs = torch.softmax(source / torch.tensor(temperatures)[:, None], dim=-1)
-            tokens = _inverse_cdf(probs, torch.tensor(draws)).tolist()
-        out: dict[int, int] = {}
-        for j, ok in enumerate(usable):
-            if not ok:
-                logger.warning("sampling row %d has no usable probabilities: greedy", rows[j])
-                out[rows[j]] = int(torch.nan_to_num(picked[j], nan=float("-inf")).argmax())
-        out.update({rows[j]: token for j, token in zip(live, tokens)})
-        return out
+        rows: list[int], token_ids: torch.Tensor,
+    ) -> None:
+        """Draws the token of each row in `rows` into token_ids by inverse CDF: one uniform per
+        usable row from the row's own generator, in row order. A row sampled at its temperature
+        alone (no top-k/top-p/min-p) goes through the C kernel (fused_sampling.py) whatever
+        its neighbours ask, so a seeded request's tokens do not depend on its batch; the others
+        through torch's softmax, cumsum and search (torch.multinomial drew a random per
+        vocabulary entry: 48 ms for 64 rows of 49,152). A row with no usable probability mass
+        (an overflow no check foresaw) keeps its argmax and draws nothing: one request must
+        never fail the step its whole batch shares."""
+        device = logits.device
+        fused = can_sample_rows(logits)
+        plain = [i for i in rows if fused and _temperature_only(params[i], logits.shape[-1])]
+        plain_set = set(plain)
+        cut = [i for i in rows if i not in plain_set]
+        usable: dict[int, bool] = {}
+        plain_logits = _rows_of(logits, plain)
+        if plain:
+            inverse = 1.0 / torch.tensor([params[i].temperature for i in plain],
+                                         dtype=torch.float32, device=device)
+            # the kernel's max of logits * (1 / temperature), both in fp32: finite (no NaN, no
+            # overflow) or the row is unusable
+            top = plain_logits.amax(dim=-1) * inverse
+            usable.update(zip(plain, torch.isfinite(top).tolist()))
+        probs = None
+        if cut:
+            probs = self._filtered_probs(_rows_of(logits, cut), [params[i] for i in cut])
+            sums = probs.sum(dim=-1)  # NaN or inf anywhere in a row makes its sum so too
+            usable.update(zip(cut, (torch.isfinite(sums) & (sums > 0)).tolist()))
+        draws = {
+            i: float(torch.rand(1, generator=self._generator_for(params[i], num_output_tokens[i]),
+                                device=self.device))
+            for i in rows if usable[i]
+        }
+        for i in rows:
+            if not usable[i]:
+                logger.warning("sampling row %d has no usable probabilities: greedy", i)
+                token_ids[i] = torch.nan_to_num(logits[i], nan=float("-inf")).argmax()
+        live_plain = [j for j, i in enumerate(plain) if usable[i]]
+        if live_plain:
+            source = plain_logits if len(live_plain) == len(plain) else plain_logits[
+                torch.tensor(live_plain, device=device)]
+            temps = [params[plain[j]].temperature for j in live_plain]
+            uniforms = [draws[plain[j]] for j in live_plain]
+            tokens = sample_rows(source.contiguous(), temps, uniforms)
+            if tokens is None:  # the kernel could not run after all: the same draws via torch
+                scaled = source / torch.tensor(temps, device=device)[:, None]
+                tokens = _inverse_cdf(torch.softmax(scaled, dim=-1),
+                                      torch.tensor(uniforms, device=device)).tolist()
+            for j, token in zip(live_plain, tokens):
+                token_ids[plain[j]] = token
+        live_cut = [j for j, i in enumerate(cut) if usable[i]]
+        if live_cut and probs is not None:
+            uniforms_cut = torch.tensor([draws[cut[j]] for j in live_cut], dtype=probs.dtype,
+                                        device=device)
+            live_probs = probs if len(live_cut) == len(cut) else probs[
+                torch.tensor(live_cut, device=device)]
+            for j, token in zip(live_cut, _inverse_cdf(live_probs, uniforms_cut).tolist()):
+                token_ids[cut[j]] = token
 
     def _generator_for(self, params: SamplingParams, step: int) -> torch.Generator:
         if params.seed is None:
@@ -259,6 +258,13 @@ class Sampler:
                 top = dict(zip(indices.tolist(), values.tolist()))
             out.append(SampledToken(t, float(logprobs[i, t]), top))
         return out
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits' rows `rows`: the tensor itself when that is every row (no [n, vocab] copy)."""
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits
+    return logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
 
 
 def _temperature_only(params: SamplingParams, vocab: int) -> bool:

@@ -90,12 +90,41 @@ def test_sampler_tokens_and_draws_equal_with_the_kernel_on_and_off(monkeypatch) 
 
 
 @needs_kernel
-def test_rows_with_cuts_take_the_torch_path(monkeypatch) -> None:
-    calls: list[int] = []
-    monkeypatch.setattr(sampler_module, "sample_rows", lambda *a: calls.append(1))
-    monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: bool(calls.append(1)))
-    logits = torch.randn(2, 100)
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4),
-              SamplingParams(temperature=1.0, max_tokens=4)]
-    Sampler(seed=0, device="cpu").sample(logits, params, [0, 0])
-    assert not calls
+def test_a_seeded_rows_tokens_do_not_depend_on_its_neighbours(monkeypatch) -> None:
+    """The kernel and torch's path may differ at a boundary within fp32 rounding, so a plain
+    row takes the kernel whatever the rows beside it ask (here: a top-p neighbour)."""
+    gen = torch.Generator().manual_seed(9)
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=64)
+    rows_seen: list[int] = []
+    real = sampler_module.sample_rows
+    monkeypatch.setattr(sampler_module, "sample_rows",
+                        lambda logits, *a: rows_seen.append(logits.shape[0]) or real(logits, *a))
+    for step in range(40):
+        logits = torch.randn(2, 49152, generator=gen)  # flat: boundaries near every uniform
+        alone, beside_cut = (
+            Sampler(seed=0, device="cpu").sample(
+                logits.clone(), [seeded, neighbour], [step, step])[0].token_id
+            for neighbour in (SamplingParams(temperature=1.0, max_tokens=64),
+                              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=64))
+        )
+        assert alone == beside_cut, step
+    assert rows_seen[:2] == [2, 1]  # both plain rows; then the plain row alone, the cut via torch
+
+
+@needs_kernel
+def test_a_zero_probability_token_is_never_drawn_at_the_top_of_the_range() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(200, 1000, generator=gen)
+    logits[:, -100:] = float("-inf")  # the last 100 tokens are forbidden
+    tokens = sample_rows(logits, [1.0] * 200, [1 - 2**-24] * 200)  # torch.rand's largest value
+    assert tokens is not None and max(tokens) < 900
+
+
+def test_a_row_that_overflows_at_its_temperature_keeps_its_argmax() -> None:
+    logits = torch.zeros(2, 50)
+    logits[0, 7] = 1e34  # finite, but 1e34 / 2e-5 is past fp32's range
+    params = [SamplingParams(temperature=2e-5, max_tokens=4),
+              SamplingParams(temperature=1.0, max_tokens=4)]  # the shared generator
+    got = [t.token_id for t in Sampler(seed=0, device="cpu").sample(logits, params, [0, 0])]
+    alone = Sampler(seed=0, device="cpu").sample(logits[1:], params[1:], [0])[0].token_id
+    assert got == [7, alone]

@@ -58,6 +58,24 @@ def test_the_bound_holds_for_onednn_bf16_products() -> None:
 
 
 @needs_head
+def test_roundings_that_all_push_one_way_do_not_fool_it() -> None:
+    """x and w chosen so that bf16 rounds token 0's products down and token 1's up (ties to
+    even at 1 + 2^-8 and 1 + 3 * 2^-8): the bf16 product ranks token 1 first by 6 logits,
+    while fp32 ranks token 0 first."""
+    first, second = 305, 300
+    hidden = torch.empty(1, first + second)
+    hidden[0, :first] = 1 + 2**-8
+    hidden[0, first:] = 1 + 3 * 2**-8
+    weight = torch.zeros(2, first + second)
+    weight[0, :first] = 1 + 2**-8
+    weight[1, first:] = 1 + 3 * 2**-8
+    head = GreedyHead(weight)
+    assert head.coarse(hidden.bfloat16()).float().argmax() == 1
+    assert F.linear(hidden, weight).argmax() == 0
+    assert head(hidden).tolist() == [0]
+
+
+@needs_head
 def test_a_non_finite_row_is_left_to_the_full_head() -> None:
     weight = torch.randn(300, 64)
     hidden = torch.randn(3, 64)

@@ -2,9 +2,10 @@
  * [rows, vocab] probability and cumulative-sum tensors torch's path materialises.
  *
  * Invariant: with total = sum_j e_j, e_j = exp(x_j / t - max_j(x_j / t)) (0 where x_j = -inf),
- * out[r] is the first j whose running sum e_0 + ... + e_j exceeds uniform[r] * total, clamped
- * to vocab - 1: the token Sampler._inverse_cdf draws from softmax + cumsum + searchsorted for
- * the same uniform, up to fp32 rounding of the sums. totals[r] is that total (not finite, or
+ * out[r] is the first j whose running sum e_0 + ... + e_j exceeds uniform[r] * total (the last
+ * j with e_j > 0 when rounding leaves the sum short of it): the token Sampler._inverse_cdf
+ * draws from softmax + cumsum + searchsorted for the same uniform, up to fp32 rounding of the
+ * sums (a zero-probability token is never drawn). totals[r] is that total (not finite, or
  * 0: the row has no usable mass, and out[r] is -1). Why: for 64 rows of a 49,152-token
  * vocabulary torch's path is four passes over 12.6 MB (divide, softmax, cumsum, search) and
  * two temporaries; here a row is two passes over its 196 KB, in L2.
@@ -31,16 +32,18 @@ int kvmemo_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t
                 continue;
             }
             const float *x = logits + r * ld;
-            const float t = temperatures[r];
+            /* x * (1 / t), not x / t: the caller's usability check computes max(x) * (1 / t)
+             * in fp32 the same way, so both see the same overflow */
+            const float inv = 1.0f / temperatures[r];
             float top = -INFINITY;
             for (int64_t j = 0; j < vocab; j++) {
-                float y = x[j] / t;
+                float y = x[j] * inv;
                 top = y > top ? y : top;
             }
             float total = 0.0f;
 #pragma omp simd reduction(+ : total)
             for (int64_t j = 0; j < vocab; j++) {
-                float y = x[j] / t;
+                float y = x[j] * inv;
                 e[j] = y == -INFINITY ? 0.0f : exp_poly(y - top);
                 total += e[j];
             }
@@ -53,7 +56,7 @@ int kvmemo_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t
              * holding the target is walked one token at a time. */
             const float target = uniforms[r] * total;
             float running = 0.0f;
-            int64_t pick = vocab - 1;
+            int64_t pick = -1;
             for (int64_t j0 = 0; j0 < vocab; j0 += 256) {
                 const int64_t end = j0 + 256 < vocab ? j0 + 256 : vocab;
                 float block = 0.0f;
@@ -73,6 +76,10 @@ int kvmemo_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t
                     break;
                 }
             }
+            /* The running sum ended at or below the target (its rounding differs from the
+             * total's): the last token with mass, never a token of zero probability. */
+            for (int64_t j = vocab - 1; pick < 0 && j >= 0; j--)
+                if (e[j] > 0.0f) pick = j;
             out[r] = pick;
         }
         free(e);

@@ -229,14 +229,15 @@ class PagedKVCache:
             # Independent copies (a step's new sequences each copying a shared partial block):
             # one gather and one scatter per page tensor instead of one copy per block and layer.
             bs = self.block_size
+            device = all_pages[0].device  # one pool: every page tensor lives there
             src_slots = torch.cat([torch.arange(s * bs, s * bs + n) for s, _, n in copies])
             dst_slots = torch.cat([torch.arange(d * bs, d * bs + n) for _, d, n in copies])
+            src_slots, dst_slots = src_slots.to(device), dst_slots.to(device)
             for pages in all_pages:
                 flat = pages.view(pages.shape[0], -1, pages.shape[-1])  # [Hkv, slots, D]
                 if flat.dtype == FP8_DTYPE:  # index ops lack fp8 kernels; the bytes are the same
                     flat = flat.view(torch.uint8)
-                from_slots, to_slots = src_slots.to(flat.device), dst_slots.to(flat.device)
-                flat.index_copy_(1, to_slots, flat.index_select(1, from_slots))
+                flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
             return
         for src, dst, num_tokens in copies:
             for pages in all_pages:

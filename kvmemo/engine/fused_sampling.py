@@ -34,7 +34,7 @@ def _kernel() -> Callable[..., int] | None:
     fn = library.kvmemo_sample_rows
     fn.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, i64, i64, p, p, p, p]
+    fn.argtypes = [p, i64, i64, i64, p, p, p]
     return fn
 
 
@@ -54,10 +54,9 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float],
     rows, vocab = logits.shape
     temps = torch.tensor(temperatures, dtype=torch.float32)
     draws = torch.tensor(uniforms, dtype=torch.float32)
-    totals = torch.empty(rows, dtype=torch.float32)
     out = torch.empty(rows, dtype=torch.int64)
     if kernel(logits.data_ptr(), rows, vocab, logits.stride(0), temps.data_ptr(),
-              draws.data_ptr(), totals.data_ptr(), out.data_ptr()) != 0:
+              draws.data_ptr(), out.data_ptr()) != 0:
         return None  # out of memory for a row's scratch
     tokens = out.tolist()
     return None if min(tokens, default=0) < 0 else tokens

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from kvmemo.model.linear_kernels import KernelChoice, Linear, onednn_available
-from kvmemo.native import cpu_flags, load_library
+from kvmemo.native import cpu_has_bf16_products, load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "greedy_head.c"
 
@@ -75,7 +75,7 @@ class GreedyHead:
             and weight.device.type == "cpu"
             and weight.dtype == torch.float32
             and weight.dim() == 2
-            and bool(set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
+            and cpu_has_bf16_products()
             and onednn_available(torch.bfloat16)
             and _kernel() is not None
         )

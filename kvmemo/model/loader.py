@@ -179,10 +179,9 @@ def _auto_dtype(weights: str, device: str) -> str:
     if torch.device(device).type == "cuda":
         # not emulated: bf16 on a GPU without bf16 units (before Ampere) is slower than fp32
         return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
-    from kvmemo.native import cpu_flags
+    from kvmemo.native import cpu_has_bf16_products
 
-    flags = set(cpu_flags().split())
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if cpu_has_bf16_products() else "float32"
 
 
 def load_model(

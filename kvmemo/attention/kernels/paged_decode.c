@@ -303,8 +303,6 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-/* The new token's key and value of (sequence b, kv head h) into its slot, in the pages' dtype
- * (fp32 copied; bf16 rounded to nearest even, as torch's cast). */
 /* fp32 -> bf16, rounding to nearest even as torch's cast does; a NaN stays a NaN. */
 static inline uint16_t bf16_bits(float x) {
     uint32_t a;
@@ -313,6 +311,8 @@ static inline uint16_t bf16_bits(float x) {
     return (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
 }
 
+/* The new token's key and value of (sequence b, kv head h) into its slot, in the pages' dtype
+ * (fp32 copied; bf16 rounded to nearest even, as torch's cast). */
 static inline void write_slot(const float *k, const float *v, void *k_pages, void *v_pages,
                               int dtype, int64_t offset, int64_t D) {
     if (dtype == KV_F32) {

@@ -5,10 +5,11 @@
  * out[r] is the first j whose running sum e_0 + ... + e_j exceeds uniform[r] * total (the last
  * j with e_j > 0 when rounding leaves the sum short of it): the token Sampler._inverse_cdf
  * draws from softmax + cumsum + searchsorted for the same uniform, up to fp32 rounding of the
- * sums (a zero-probability token is never drawn). totals[r] is that total (not finite, or
- * 0: the row has no usable mass, and out[r] is -1). Why: for 64 rows of a 49,152-token
- * vocabulary torch's path is four passes over 12.6 MB (divide, softmax, cumsum, search) and
- * two temporaries; here a row is two passes over its 196 KB, in L2.
+ * sums (a zero-probability token is never drawn). A row whose maximum or total is not
+ * finite, or whose total is 0, has no usable mass: out[r] is -1. Why: for 64 rows of a
+ * 49,152-token vocabulary torch's path is four passes over 12.6 MB (divide, softmax, cumsum,
+ * search) and two temporaries; here a row is read twice (max, then exp into a row buffer) and
+ * its buffer summed once, all in L2.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,8 +19,7 @@
 
 /* Returns 0, or 1 when a row's scratch could not be allocated (the caller uses torch). */
 int kvmemo_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t ld,
-                       const float *temperatures, const float *uniforms, float *totals,
-                       int64_t *out) {
+                       const float *temperatures, const float *uniforms, int64_t *out) {
     int failed = 0;
 #pragma omp parallel if (rows >= 8)
     {
@@ -47,7 +47,6 @@ int kvmemo_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t
                 e[j] = y == -INFINITY ? 0.0f : exp_poly(y - top);
                 total += e[j];
             }
-            totals[r] = total;
             if (!isfinite(top) || !isfinite(total) || !(total > 0.0f)) {
                 out[r] = -1;
                 continue;

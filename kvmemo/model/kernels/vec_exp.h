@@ -1,4 +1,5 @@
-/* e^x as a function the compiler vectorizes: shared by the C kernels that apply SiLU. */
+/* e^x as a function the compiler vectorizes: shared by the C kernels that apply SiLU and by
+ * the sampling kernel (engine/kernels/sampling.c). */
 #ifndef KVMEMO_VEC_EXP_H
 #define KVMEMO_VEC_EXP_H
 
@@ -6,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* e^x for an MLP's SiLU, as Cephes' expf (n ln2 + r, a degree-6 polynomial in r, times 2^n;
+/* e^x, as Cephes' expf (n ln2 + r, a degree-6 polynomial in r, times 2^n;
  * about 1 ulp), written so that the compiler vectorizes the loop it sits in (libm's expf is a
  * call per element, which keeps the loop scalar). */
 #pragma omp declare simd

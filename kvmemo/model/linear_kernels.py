@@ -6,7 +6,8 @@ differs), so the choice changes speed, never the product. Kernels:
 - "onednn": oneDNN's matmul on a weight reordered once into its blocked layout (what vLLM's CPU
   backend calls). On AMD CPUs MKL takes a generic path: oneDNN ran fp32 2.1x faster at 2,048 rows
   and 3.6x at 32 (Zen 5, measured, see docs/benchmarks.md).
-- "skinny": kvmemo's C kernel streaming each weight row once (fp32, at most 32 rows).
+- "skinny": kvmemo's C GEMM for at most 32 rows (decode) on a weight packed once into column
+  panels, its DRAM reads overlapping its arithmetic (fp32 and bf16; skinny_linear.py).
 A `Linear` holds one weight and the kernels chosen for its two shape classes: "decode" (at most
 DECODE_ROWS rows: decode steps, logits) and "prefill" (more rows).
 """
@@ -55,7 +56,7 @@ def kernel_usable(name: str, dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if name == "onednn":
         return onednn_available(dtype)
-    return dtype == torch.float32 and skinny_linear.kernel_available()
+    return dtype in skinny_linear.DTYPE_CODES and skinny_linear.kernel_available()
 
 
 def onednn_matmul(
@@ -69,13 +70,13 @@ def onednn_matmul(
 class Linear:
     """x [..., K] -> [..., N] by one weight [N, K] (+ bias), through the chosen kernels.
 
-    Holds the weight's oneDNN-packed copy when a chosen kernel reads it (made once, here).
-    The weight must not change after construction: the packed copy would go stale. When oneDNN
-    serves both classes the plain weight can be released (release_plain): the packed copy is
-    then the only one, and dense() rebuilds the plain one exactly.
+    Holds the packed copies its chosen kernels read (oneDNN's blocked layout, the skinny
+    kernel's panels), made once, here. The weight must not change after construction: the packed
+    copies would go stale. When no chosen kernel reads the plain weight it can be released
+    (release_plain); dense() then rebuilds it exactly from a packed copy.
     """
 
-    __slots__ = ("weight", "bias", "choice", "_packed", "_dtype")
+    __slots__ = ("weight", "bias", "choice", "_packed", "_panels", "_dtype")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice
@@ -91,20 +92,24 @@ class Linear:
         self.bias = None if bias is None else bias.detach()
         self.choice = choice
         self._packed: torch.Tensor | None = None
+        self._panels: skinny_linear.PackedWeight | None = None
         if "onednn" in (choice.decode, choice.prefill):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        if choice.decode == "skinny":
+            self._panels = skinny_linear.pack(weight, self.bias)
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the packed copy (0 without one)."""
-        if self._packed is None:
-            return 0
-        return self._packed.numel() * self._packed.element_size()
+        """Bytes of the packed copies (0 without one)."""
+        total = 0 if self._panels is None else self._panels.nbytes
+        if self._packed is not None:
+            total += self._packed.numel() * self._packed.element_size()
+        return total
 
     @property
     def packed_only(self) -> bool:
-        """oneDNN's packed copy serves every shape class: the plain weight is not read."""
-        return self.choice.decode == self.choice.prefill == "onednn"
+        """No chosen kernel reads the plain weight (each reads a packed copy)."""
+        return "torch" not in (self.choice.decode, self.choice.prefill)
 
     def release_plain(self) -> None:
         """Drops this object's reference to the plain weight (only when packed_only)."""
@@ -113,9 +118,11 @@ class Linear:
         self.weight = None
 
     def dense(self) -> torch.Tensor:
-        """The plain weight [N, K]: held, or rebuilt (exactly) from the packed copy."""
+        """The plain weight [N, K]: held, or rebuilt (exactly) from a packed copy."""
         if self.weight is not None:
             return self.weight
+        if self._panels is not None:
+            return skinny_linear.unpack(self._panels)
         assert self._packed is not None
         return self._packed.to_dense()
 
@@ -125,6 +132,8 @@ class Linear:
         if kernel == "onednn" and x.dtype == self._dtype:
             assert self._packed is not None
             return onednn_matmul(x, self._packed, self.bias)
-        if kernel == "skinny" and x.dim() == 2:
-            return skinny_linear.linear(x, self.dense(), self.bias)
+        if kernel == "skinny":
+            assert self._panels is not None
+            out = skinny_linear.linear(x.reshape(rows, x.shape[-1]), self._panels)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.dense(), self.bias)

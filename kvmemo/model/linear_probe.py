@@ -25,8 +25,9 @@ from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
-DECODE_PROBE_ROWS = (1, 16)  # a single stream and a batch of decodes
+# 2: the skinny kernel became a packed GEMM serving bf16 too (choices cached before are stale)
+CACHE_VERSION = 2
+DECODE_PROBE_ROWS = (1, 16, 32)  # a single stream and batches of decodes
 PREFILL_PROBE_ROWS = 512  # a prefill chunk
 
 

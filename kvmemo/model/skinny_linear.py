@@ -1,19 +1,21 @@
-"""linear(): F.linear, but few-row fp32 inputs on CPU go through a C kernel that streams W once.
+"""Few-row linear layers (decode steps) through a C GEMM on weights packed into column panels.
 
-Invariant: equals F.linear(x, weight, bias) to fp32 rounding for every input; the kernel runs only
-for CPU fp32 [M, K] inputs with M <= MAX_ROWS and a contiguous fp32 weight, else (or without a C
-compiler, see kvmemo.native) F.linear does. Why: a decode step multiplies a few rows by every
-weight matrix and is bound by reading the weights; MKL streamed them at 7-12 GB/s for 1-16 rows
-here, the kernel (kernels/skinny_linear.c) at 12-24 GB/s (2 threads, 150 distinct 1,536 x 576
-weights, 531 MB per pass).
+Invariant: linear(x, pack(W), b) equals F.linear(x, W, b) to the dtype's rounding (fp32
+accumulation, one rounding to bf16 for bf16), and unpack(pack(W)) is W exactly. The kernel runs
+for CPU fp32 or bf16 [M, K] inputs of the packed weight's dtype with M <= MAX_ROWS; any other
+input goes to F.linear on the unpacked weight. Why: a decode step multiplies a few rows by every
+weight matrix, each read from DRAM once per step; the kernel (kernels/skinny_linear.c) overlaps
+those reads with its arithmetic, where oneDNN's packed GEMM left them exposed (SmolLM2's 150
+products at 32 rows, weights from DRAM, Zen 5, 2 threads: bf16 11.3 -> 8.0 ms, fp32 21.1 ->
+16.5 ms).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,48 +23,99 @@ import torch.nn.functional as F
 from kvmemo.native import load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "skinny_linear.c"
-# Measured crossover (2 threads, weights streaming from DRAM, ms per 150 products with MKL vs the
-# kernel): 1 row 42.6 / 22.5, 8 rows 63.7 / 35.5, 16 rows 69.3 / 44.4, 32 rows 93.2 / 75.3.
-# Prefill chunks (hundreds of rows) are compute-bound, where MKL's packed GEMM is far ahead.
-MAX_ROWS = 32
+MAX_ROWS = 32  # the decode class; prefill chunks (hundreds of rows) are oneDNN's
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @cache
-def _kernel() -> Callable[..., None] | None:
-    library = load_library(SOURCE, "few-row linear layers use F.linear")
+def _library() -> ctypes.CDLL | None:
+    library = load_library(SOURCE, "few-row linear layers use oneDNN or F.linear")
     if library is None:
         return None
-    fn = library.kvmemo_skinny_linear
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    return fn
+    library.kvmemo_skinny_linear.restype = None
+    library.kvmemo_skinny_linear.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    library.kvmemo_skinny_panel_cols.restype = ctypes.c_int
+    return library
 
 
 def kernel_available() -> bool:
-    """The C kernel built and loaded on this machine (else linear() always uses F.linear)."""
-    return _kernel() is not None
+    """The C kernel built and loaded on this machine."""
+    return _library() is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) -> [M, N]; any other shape goes to F.linear."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out_features, in_features] as the kernel reads it: panels of `panel_cols`
+    output columns, each contiguous over k (bf16: k in pairs); zero-padded past the edges."""
+
+    panels: torch.Tensor  # [num_panels, k steps, panel_cols (, 2 for bf16)]
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None  # fp32 [out_features], added before rounding
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    """Packs a CPU fp32 or bf16 weight [N, K] (the kernel must be available)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the few-row linear kernel is not built here (see kvmemo.native)")
+    if weight.dim() != 2 or weight.dtype not in DTYPE_CODES or weight.device.type != "cpu":
+        raise ValueError(f"pack takes a CPU fp32 or bf16 [N, K] weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    cols = library.kvmemo_skinny_panel_cols()
+    n, k = weight.shape
+    num_panels = -(-n // cols)
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    steps = -(-k // pair)
+    padded = F.pad(weight.detach(), (0, steps * pair - k, 0, num_panels * cols - n))
+    panels = padded.reshape(num_panels, cols, steps, pair).permute(0, 2, 1, 3).contiguous()
+    if pair == 1:
+        panels = panels.squeeze(-1)
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+    return PackedWeight(panels, n, k, bias32)
+
+
+def unpack(packed: PackedWeight) -> torch.Tensor:
+    """The plain weight [N, K], exactly."""
+    panels = packed.panels if packed.panels.dim() == 4 else packed.panels.unsqueeze(-1)
+    num_panels, steps, cols, pair = panels.shape
+    plain = panels.permute(0, 2, 1, 3).reshape(num_panels * cols, steps * pair)
+    return plain[: packed.out_features, : packed.in_features].contiguous()
+
+
+def linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [M, K] @ W^T (+ the packed bias) -> [M, N] in x's dtype."""
+    library = _library()
     if (
-        x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
-        # Raw pointers: anything F.linear would reject (another device, mismatched K) must go
-        # there for its error, never into the kernel.
-        and x.device.type == weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.shape[1] == x.shape[1]
-        and x.dtype == weight.dtype == torch.float32
-        and weight.is_contiguous()
+        library is None
+        or x.dim() != 2
+        or x.shape[0] > MAX_ROWS
+        # Raw pointers: anything F.linear would reject (another device, a wrong K) must get
+        # F.linear's error, never reach the kernel.
+        or x.device.type != "cpu"
+        or x.shape[1] != packed.in_features
+        or x.dtype != packed.dtype
         # The kernel has no backward: leave products autograd needs to F.linear.
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or (torch.is_grad_enabled() and x.requires_grad)
     ):
-        kernel = _kernel()
-        if kernel is not None:
-            x = x.contiguous()
-            (num_rows, num_in), num_out = x.shape, weight.shape[0]
-            out = torch.empty(num_rows, num_out, dtype=torch.float32)
-            kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in)
-            return out if bias is None else out.add_(bias)
-    return F.linear(x, weight, bias)
+        bias = None if packed.bias is None else packed.bias.to(packed.dtype)
+        return F.linear(x, unpack(packed), bias)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], packed.out_features, dtype=x.dtype)
+    bias_ptr = None if packed.bias is None else packed.bias.data_ptr()
+    library.kvmemo_skinny_linear(
+        x.data_ptr(), x.stride(0), packed.panels.data_ptr(), bias_ptr, out.data_ptr(),
+        packed.out_features, x.shape[0], packed.out_features, packed.in_features,
+        DTYPE_CODES[x.dtype])
+    return out

@@ -158,9 +158,11 @@ def tiny_model(tie: bool):
     return LlamaForCausalLM.from_state_dict(config, state)
 
 
+@pytest.mark.parametrize("packed", [KernelChoice("onednn", "onednn"), KernelChoice("skinny", "onednn")])
 @pytest.mark.parametrize("tie", [True, False])
-def test_onednn_everywhere_releases_the_plain_weights_and_rebinding_restores_them(tie):
-    usable_or_skip("onednn", torch.float32)
+def test_packed_kernels_release_the_plain_weights_and_rebinding_restores_them(tie, packed):
+    for name in (packed.decode, packed.prefill):
+        usable_or_skip(name, torch.float32)
     from tests.model.tiny import caching_attention
 
     model = tiny_model(tie)
@@ -169,14 +171,14 @@ def test_onednn_everywhere_releases_the_plain_weights_and_rebinding_restores_the
     model.prepare_linears(KernelChoice("torch", "torch"))
     expected = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
 
-    model.prepare_linears(KernelChoice("onednn", "onednn"))
+    model.prepare_linears(packed)
     projections = [n for n in plain if n.endswith("proj.weight") or (n == "lm_head.weight" and not tie)]
     assert projections and all(model.get_parameter(n).numel() == 0 for n in projections)
     assert model.embed_tokens.weight.numel() > 0  # read by lookups (and by a tied head)
     got = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
-    model.prepare_linears(KernelChoice("skinny", "torch"))  # reads plain weights again
+    model.prepare_linears(KernelChoice("torch", "onednn"))  # reads plain weights again
     for name, value in plain.items():
         assert torch.equal(model.get_parameter(name), value), name  # rebuilt exactly
     again = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
@@ -184,6 +186,22 @@ def test_onednn_everywhere_releases_the_plain_weights_and_rebinding_restores_the
 
 
 def test_a_kernel_that_reads_the_plain_weight_keeps_it():
-    lin = Linear(torch.randn(8, 4), None, KernelChoice("skinny", "onednn"))
+    lin = Linear(torch.randn(8, 4), None, KernelChoice("torch", "onednn"))
     with pytest.raises(ValueError, match="cannot be released"):
         lin.release_plain()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_skinny_weights_rebuild_exactly_from_panels(dtype):
+    usable_or_skip("skinny", dtype)
+    weight = torch.randn(70, 33).to(dtype)
+    lin = Linear(weight.clone(), None, KernelChoice("skinny", "torch"))
+    assert not lin.packed_only  # prefill on torch reads the plain weight
+    lin = Linear(weight.clone(), None, KernelChoice("skinny", "onednn"))
+    if lin.choice.prefill != "onednn":
+        pytest.skip("oneDNN does not serve this dtype here")
+    lin.release_plain()
+    assert lin.weight is None and torch.equal(lin.dense(), weight)
+    x = torch.randn(3, 33).to(dtype)
+    torch.testing.assert_close(lin(x).float(), F.linear(x.float(), weight.float()),
+                               **TOLERANCE[dtype])

@@ -1,87 +1,153 @@
-"""linear(): the few-row CPU kernel equals F.linear, and only takes the inputs it can serve."""
+"""The few-row GEMM (kernels/skinny_linear.c) on packed weights equals F.linear in fp32 and bf16,
+in every instruction-set path it has, and hands every input it cannot serve to F.linear."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvmemo.model import skinny_linear
-from kvmemo.model.skinny_linear import MAX_ROWS, linear
+from kvmemo.model.skinny_linear import MAX_ROWS, linear, pack, unpack
+from kvmemo.native import load_library
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=1e-2, atol=2e-2)}
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts kernel calls; skips where no C compiler can build it."""
-    kernel = skinny_linear._kernel()
-    if kernel is None:
+    """Counts kernel calls as (M, N, K, dtype code); skips where no C compiler builds it."""
+    library = skinny_linear._library()
+    if library is None:
         pytest.skip("no C compiler here: the few-row linear kernel cannot be built")
     calls = []
 
-    def counting(*args):
-        calls.append(args[3:])  # (M, N, K)
-        return kernel(*args)
+    class Counting:
+        kvmemo_skinny_panel_cols = library.kvmemo_skinny_panel_cols
 
-    monkeypatch.setattr(skinny_linear, "_kernel", lambda: counting)
+        @staticmethod
+        def kvmemo_skinny_linear(*args):
+            calls.append(args[6:])
+            return library.kvmemo_skinny_linear(*args)
+
+    monkeypatch.setattr(skinny_linear, "_library", lambda: Counting)
     return calls
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, MAX_ROWS])
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 products of the same (rounded) inputs."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, MAX_ROWS])  # whole and partial row tiles
 @pytest.mark.parametrize(
-    "out_features,in_features", [(7, 576), (1000, 40), (1536, 576), (9, 1), (64, 1536)]
+    # panel tails (N not a multiple of 32 or 16), odd K (bf16's pair tail), K = 1, many panels
+    "out_features,in_features", [(7, 576), (1000, 40), (1536, 576), (9, 1), (64, 1537), (33, 3)]
 )
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_f_linear(kernel_calls, rows, out_features, in_features, with_bias):
+def test_kernel_equals_f_linear(kernel_calls, dtype, rows, out_features, in_features, with_bias):
     torch.manual_seed(rows * 1000 + out_features + in_features)
-    x = torch.randn(rows, in_features)
-    weight = torch.randn(out_features, in_features)
-    bias = torch.randn(out_features) if with_bias else None
-    got = linear(x, weight, bias)
-    assert kernel_calls == [(rows, out_features, in_features)]  # the kernel, not F.linear, ran
-    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    x = torch.randn(rows, in_features).to(dtype)
+    weight = torch.randn(out_features, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype) if with_bias else None
+    got = linear(x, pack(weight, bias))
+    code = skinny_linear.DTYPE_CODES[dtype]
+    assert kernel_calls == [(rows, out_features, in_features, code)]  # the kernel ran
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), reference(x, weight, bias), **TOLERANCE[dtype])
 
 
-def test_weight_row_views_and_strided_inputs(kernel_calls):
-    """The MLP's gate/up halves are row views of one weight; x may arrive non-contiguous."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_round_trips_exactly(kernel_calls, dtype):
+    weight = torch.randn(77, 131).to(dtype)
+    packed = pack(weight)
+    assert torch.equal(unpack(packed), weight)
+    assert packed.nbytes >= weight.numel() * weight.element_size()  # padded to whole panels
+
+
+def test_bf16_rounds_once_from_fp32_sums(kernel_calls):
+    """Each bf16 output is its fp32 sum rounded once (not a bf16 running sum): a sum of many
+    small products lands within half a bf16 ulp of the exact value."""
+    k = 4096
+    x = torch.full((2, k), 1.0 + 2**-7, dtype=torch.bfloat16)
+    weight = torch.full((3, k), 2**-7, dtype=torch.bfloat16)
+    got = linear(x, pack(weight))
+    exact = k * (1.0 + 2**-7) * 2**-7  # 32.25, exactly representable sums in fp32
+    assert torch.equal(got.float(), torch.full((2, 3), exact).bfloat16().float())
+
+
+def test_strided_rows_and_weight_views(kernel_calls):
+    """The MLP's gate/up halves are row views of one weight; x may arrive with a row stride."""
     weight = torch.randn(2 * 48, 64)
-    x = torch.randn(64, 5).t()  # [5, 64], not contiguous
+    wide = torch.randn(5, 100)
+    x = wide[:, 10:74]  # rows 100 apart, unit column stride: read in place
     for half in (weight[:48], weight[48:]):
-        torch.testing.assert_close(linear(x, half), F.linear(x, half), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(linear(x, pack(half)), F.linear(x, half), rtol=1e-5, atol=1e-4)
     assert len(kernel_calls) == 2
+    transposed = torch.randn(64, 5).t()  # column stride 64: copied first
+    torch.testing.assert_close(linear(transposed, pack(weight)), F.linear(transposed, weight),
+                               rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["too many rows", "bf16", "non-contiguous weight", "3-D input", "autograd"],
-)
+@pytest.mark.parametrize("case", ["too many rows", "other dtype", "wrong K", "autograd"])
 def test_other_inputs_go_to_f_linear(kernel_calls, case):
     x, weight = torch.randn(4, 32), torch.randn(16, 32)
+    packed = pack(weight)
     if case == "too many rows":
         x = torch.randn(MAX_ROWS + 1, 32)
-    elif case == "bf16":
-        x, weight = x.bfloat16(), weight.bfloat16()
-    elif case == "non-contiguous weight":
-        weight = torch.randn(32, 16).t()
-    elif case == "3-D input":
-        x = torch.randn(2, 4, 32)
+    elif case == "other dtype":
+        x = x.bfloat16()
+    elif case == "wrong K":
+        with pytest.raises(RuntimeError):  # F.linear's error, not a read past the weight
+            linear(torch.randn(2, 16), packed)
+        assert kernel_calls == []
+        return
     elif case == "autograd":
-        weight.requires_grad_(True)
-    got = linear(x, weight)
+        x.requires_grad_(True)
+    if case == "other dtype":
+        with pytest.raises(RuntimeError):  # F.linear refuses mixed dtypes too
+            linear(x, packed)
+    else:
+        torch.testing.assert_close(linear(x, packed), F.linear(x, weight))
     assert kernel_calls == []
-    torch.testing.assert_close(got, F.linear(x, weight))
 
 
-def test_without_a_kernel_it_is_f_linear(monkeypatch):
-    monkeypatch.setattr(skinny_linear, "_kernel", lambda: None)
-    x, weight = torch.randn(2, 24), torch.randn(8, 24)
-    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=0, atol=0)
+def test_pack_rejects_what_it_cannot_pack(kernel_calls):
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        pack(torch.randn(4, 4).half())
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        pack(torch.randn(4))
 
 
-def test_other_weight_shapes_are_f_linear_s_business(kernel_calls):
-    """A wrong in_features must be F.linear's error, not the kernel reading past the weight; a
-    1-D weight (which F.linear takes) gets F.linear's answer."""
-    with pytest.raises(RuntimeError):
-        linear(torch.randn(2, 32), torch.randn(8, 16))
-    x, vector = torch.randn(2, 32), torch.randn(32)
-    torch.testing.assert_close(linear(x, vector), F.linear(x, vector))
-    assert kernel_calls == []
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrower_instruction_sets_compute_the_same(march, dtype):
+    """The AVX2 and plain-C builds (panels of 16 and 8 columns, bf16 by widening) are right too;
+    this CPU's own build is the one the other tests ran."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("needs an x86-64 CPU with AVX2 to run these builds")
+    library = load_library(skinny_linear.SOURCE, "test", march=march)
+    if library is None:
+        pytest.skip("no C compiler here")
+    library.kvmemo_skinny_panel_cols.restype = ctypes.c_int
+    cols = library.kvmemo_skinny_panel_cols()
+    assert cols == {"x86-64-v3": 16, "x86-64": 8}[march]
+    torch.manual_seed(cols)
+    rows, n, k = 13, 3 * cols + 5, 75
+    x, weight, bias = (torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype),
+                       torch.randn(n).to(dtype))
+    pair = 2 if dtype == torch.bfloat16 else 1
+    steps = -(-k // pair)
+    panels = F.pad(weight, (0, steps * pair - k, 0, -(-n // cols) * cols - n))
+    panels = panels.reshape(-1, cols, steps, pair).permute(0, 2, 1, 3).contiguous()
+    bias32 = bias.float()
+    out = torch.empty(rows, n, dtype=dtype)
+    library.kvmemo_skinny_linear.restype = None
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    library.kvmemo_skinny_linear.argtypes = [P, I64, P, P, P, I64, I64, I64, I64, ctypes.c_int]
+    library.kvmemo_skinny_linear(x.data_ptr(), k, panels.data_ptr(), bias32.data_ptr(),
+                                 out.data_ptr(), n, rows, n, k, skinny_linear.DTYPE_CODES[dtype])
+    torch.testing.assert_close(out.float(), reference(x, weight, bias), **TOLERANCE[dtype])

@@ -12,7 +12,8 @@ from kvmemo.attention.flash_kernel import flash_attention
 
 SHAPES = [  # B, H, M rows, L keys, D
     (1, 3, 96, 1024, 64),  # a decode batch against a shared 1,024-token prefix
-    (1, 2, 19, 1300, 64),  # softmax chunks of 512 keys: two whole, one of 276 (a key tail)
+    (1, 2, 19, 1300, 64),  # softmax chunks of 512 keys: two whole, one of 276 (a key tail);
+    # packing tasks of 256 keys: five whole, the last holding the padded tile
     (2, 3, 37, 200, 64),  # row tail (37 = 6 * 6 + 1), key tail (200 = 3 * 64 + 8)
     (1, 2, 5, 3, 128),  # fewer rows than a block, fewer keys than a tile
     (1, 1, 13, 70, 256),  # Gemma's head size

@@ -58,14 +58,18 @@ static inline __m512 exp512(__m512 x) {
 
 /* ---- packing: one (b, h) problem's keys into tiles the micro-kernels stream ---------------- */
 
+/* Both pack keys j0 <= j < j1 (j0 a multiple of NB) of one problem, so threads can share one
+ * problem's tiles; the range holding the last tile also zeroes its padding keys. */
+
 /* fp32: K tile t as [D][NB] (keys contiguous per dimension); V as [Lpad][D]. Zero padded. */
 static void pack_f32(const float *k, const float *v, int64_t L, int64_t D, int64_t k_sr,
-                     int64_t v_sr, int64_t tiles, float *kp, float *vp) {
-    if (L % NB) { /* the last tile's padding keys: zero scores' inputs and values */
+                     int64_t v_sr, int64_t tiles, float *kp, float *vp, int64_t j0, int64_t j1) {
+    if (j1 >= L && L % NB) { /* the last tile's padding keys: zero scores' inputs and values */
         memset(kp + (tiles - 1) * NB * D, 0, sizeof(float) * NB * D);
         memset(vp + L * D, 0, sizeof(float) * (tiles * NB - L) * D);
     }
-    for (int64_t j = 0; j < L; j++) {
+    j1 = j1 < L ? j1 : L;
+    for (int64_t j = j0; j < j1; j++) {
         const float *kr = k + j * k_sr;
         float *dst = kp + (j / NB) * NB * D + (j % NB);
         for (int64_t d = 0; d < D; d++) dst[d * NB] = kr[d];
@@ -76,12 +80,14 @@ static void pack_f32(const float *k, const float *v, int64_t L, int64_t D, int64
 /* bf16: K tile t as [D/2][NB][2] (a key's dimension pair per 32-bit lane); V tile as
  * [NB/2][D][2] (two consecutive keys' values of one dimension per 32-bit lane). */
 static void pack_bf16(const uint16_t *k, const uint16_t *v, int64_t L, int64_t D, int64_t k_sr,
-                      int64_t v_sr, int64_t tiles, uint32_t *kp, uint16_t *vp) {
-    if (L % NB) {
+                      int64_t v_sr, int64_t tiles, uint32_t *kp, uint16_t *vp, int64_t j0,
+                      int64_t j1) {
+    if (j1 >= L && L % NB) {
         memset(kp + (tiles - 1) * NB * (D / 2), 0, sizeof(uint32_t) * NB * (D / 2));
         memset(vp + (tiles - 1) * NB * D, 0, sizeof(uint16_t) * NB * D);
     }
-    for (int64_t j = 0; j < L; j++) {
+    j1 = j1 < L ? j1 : L;
+    for (int64_t j = j0; j < j1; j++) {
         const uint32_t *kr = (const uint32_t *)(k + j * k_sr);
         uint32_t *dst = kp + (j / NB) * NB * (D / 2) + (j % NB);
         for (int64_t dp = 0; dp < D / 2; dp++) dst[dp * NB] = kr[dp];
@@ -92,7 +98,7 @@ static void pack_bf16(const uint16_t *k, const uint16_t *v, int64_t L, int64_t D
                                             40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
                                             1, 32, 0);
     const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-    for (int64_t j = 0; j < L; j += 2) {
+    for (int64_t j = j0; j < j1; j += 2) {
         const uint16_t *r0 = v + j * v_sr;
         const uint16_t *r1 = j + 1 < L ? v + (j + 1) * v_sr : NULL;
         uint16_t *vdst = vp + (j / NB) * NB * D + ((j % NB) / 2) * D * 2;
@@ -104,7 +110,7 @@ static void pack_bf16(const uint16_t *k, const uint16_t *v, int64_t L, int64_t D
         }
     }
 #else
-    for (int64_t j = 0; j < L; j++) {
+    for (int64_t j = j0; j < j1; j++) {
         const uint16_t *vr = v + j * v_sr;
         uint16_t *vdst = vp + (j / NB) * NB * D + ((j % NB) / 2) * D * 2 + (j % 2);
         for (int64_t d = 0; d < D; d++) vdst[d * 2] = vr[d];
@@ -260,49 +266,39 @@ static inline void online_softmax(float *s, int64_t width, const int64_t *visibl
     }
 }
 
-int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtype, int64_t B,
-                           int64_t H, int64_t M, int64_t L, int64_t D, int64_t q_sb,
-                           int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr,
-                           int64_t v_sb, int64_t v_sh, int64_t v_sr, const int64_t *limits,
-                           int64_t lim_sb, float scale, float *out, float *lse) {
-#if !defined(__AVX512BF16__)
-    if (dtype == 1) return 1;
-#endif
-    if ((dtype != 0 && dtype != 1) || D % 64 != 0 || D > 512 || M < 1 || L < 1) return 1;
-    const int64_t tiles = (L + NB - 1) / NB;
-    const int64_t esize = dtype == 0 ? 4 : 2;
-    const int64_t per_problem = tiles * NB * D; /* elements of one packed K (or V) */
-    /* The packed keys and values live in a buffer the calling thread keeps between calls: a
-     * fresh allocation this size is a new mapping whose page faults cost as much as a decode
-     * step's prefix attention. */
-    static __thread char *scratch = NULL;
-    static __thread size_t scratch_bytes = 0;
-    size_t half = (size_t)(B * H * per_problem * esize);
-    char *own = NULL; /* a call above the kept size's cap allocates for itself */
-    if (2 * half > SCRATCH_CAP) {
-        own = malloc(2 * half);
-        if (own == NULL) return 1;
-    } else if (scratch_bytes < 2 * half) {
-        free(scratch);
-        scratch = malloc(2 * half);
-        scratch_bytes = scratch == NULL ? 0 : 2 * half;
-        if (scratch == NULL) return 1;
-    }
-    char *kbuf = own ? own : scratch, *vbuf = kbuf + half;
+#define PACK_CHUNK 4 /* tiles per packing task: a problem's tiles spread over the threads */
+
+/* Every problem's keys and values into kbuf / vbuf (per_problem elements each per problem). */
+static void pack_all(const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t L,
+                     int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb,
+                     int64_t v_sh, int64_t v_sr, char *kbuf, char *vbuf) {
+    const int64_t tiles = (L + NB - 1) / NB, per_problem = tiles * NB * D;
+    const int64_t chunks = (tiles + PACK_CHUNK - 1) / PACK_CHUNK;
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            int64_t bh = b * H + h;
+    for (int64_t bh = 0; bh < B * H; bh++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t b = bh / H, h = bh % H;
+            const int64_t j0 = c * PACK_CHUNK * NB, j1 = j0 + PACK_CHUNK * NB;
             if (dtype == 0)
                 pack_f32((const float *)k + b * k_sb + h * k_sh,
                          (const float *)v + b * v_sb + h * v_sh, L, D, k_sr, v_sr, tiles,
-                         (float *)kbuf + bh * per_problem, (float *)vbuf + bh * per_problem);
+                         (float *)kbuf + bh * per_problem, (float *)vbuf + bh * per_problem,
+                         j0, j1);
             else
                 pack_bf16((const uint16_t *)k + b * k_sb + h * k_sh,
                           (const uint16_t *)v + b * v_sb + h * v_sh, L, D, k_sr, v_sr, tiles,
                           (uint32_t *)kbuf + bh * per_problem / 2,
-                          (uint16_t *)vbuf + bh * per_problem);
+                          (uint16_t *)vbuf + bh * per_problem, j0, j1);
         }
+}
+
+/* Queries against packed keys and values (pack_all's layout); out and lse as documented above. */
+static void attend(const void *q, const char *kbuf, const char *vbuf, int dtype, int64_t B,
+                   int64_t H, int64_t M, int64_t L, int64_t D, int64_t q_sb, int64_t q_sh,
+                   int64_t q_sr, const int64_t *limits, int64_t lim_sb, float scale, float *out,
+                   float *lse) {
+    const int64_t tiles = (L + NB - 1) / NB, per_problem = tiles * NB * D;
+    const int64_t esize = dtype == 0 ? 4 : 2;
     const int64_t row_blocks = (M + RB - 1) / RB;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; bh++)
@@ -365,6 +361,40 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
                 lse[bh * M + r0 + r] = m[r] + logf(l[r]);
             }
         }
+}
+
+static int unsupported(int dtype, int64_t M, int64_t L, int64_t D) {
+#if !defined(__AVX512BF16__)
+    if (dtype == 1) return 1;
+#endif
+    return (dtype != 0 && dtype != 1) || D % 64 != 0 || D > 512 || M < 1 || L < 1;
+}
+
+int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtype, int64_t B,
+                           int64_t H, int64_t M, int64_t L, int64_t D, int64_t q_sb,
+                           int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr,
+                           int64_t v_sb, int64_t v_sh, int64_t v_sr, const int64_t *limits,
+                           int64_t lim_sb, float scale, float *out, float *lse) {
+    if (unsupported(dtype, M, L, D)) return 1;
+    /* The packed keys and values live in a buffer the calling thread keeps between calls: a
+     * fresh allocation this size is a new mapping whose page faults cost as much as a decode
+     * step's prefix attention. */
+    static __thread char *scratch = NULL;
+    static __thread size_t scratch_bytes = 0;
+    size_t half = (size_t)(B * H * ((L + NB - 1) / NB) * NB * D * (dtype == 0 ? 4 : 2));
+    char *own = NULL; /* a call above the kept size's cap allocates for itself */
+    if (2 * half > SCRATCH_CAP) {
+        own = malloc(2 * half);
+        if (own == NULL) return 1;
+    } else if (scratch_bytes < 2 * half) {
+        free(scratch);
+        scratch = malloc(2 * half);
+        scratch_bytes = scratch == NULL ? 0 : 2 * half;
+        if (scratch == NULL) return 1;
+    }
+    char *kbuf = own ? own : scratch, *vbuf = kbuf + half;
+    pack_all(k, v, dtype, B, H, L, D, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, kbuf, vbuf);
+    attend(q, kbuf, vbuf, dtype, B, H, M, L, D, q_sb, q_sh, q_sr, limits, lim_sb, scale, out, lse);
     free(own);
     return 0;
 }

@@ -12,8 +12,9 @@ norm for every token the window held ~560 tokens on average in W1, with each tok
 Why: a decode step of 32 sequences spent 4.7 ms of its ~33 in SmolLM2's fp32 head, reading its
 113 MB of weights; the bf16 copy is half of that (2.5 ms) and the check about 7 rows of 576
 per sequence. Costs a bf16 copy of the head (57 MB for SmolLM2). CPU only, where the bf16
-product runs in hardware (avx512_bf16 or AMX) through oneDNN, and only where the head's plain
-fp32 weight is held (tied to the embedding table, or not released after packing).
+product runs in hardware (avx512_bf16 or AMX; the few-row GEMM of skinny_linear.py, else
+oneDNN), and only where the head's plain fp32 weight is held (tied to the embedding table, or
+not released after packing).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Callable
 
 import torch
 
-from kvmemo.model.linear_kernels import KernelChoice, Linear, onednn_available
+from kvmemo.model import skinny_linear
+from kvmemo.model.linear_kernels import KernelChoice, Linear, kernel_usable, onednn_available
 from kvmemo.native import cpu_has_bf16_products, load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "greedy_head.c"
@@ -59,8 +61,17 @@ class GreedyHead:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight.detach().contiguous()  # fp32, read in place by the check
-        self.coarse = Linear(self.weight.to(torch.bfloat16), None, KernelChoice("onednn", "onednn"))
-        self.coarse.release_plain()  # oneDNN's packed copy is the only bf16 one kept
+        bf16 = self.weight.to(torch.bfloat16)
+        # One bf16 copy: the few-row GEMM's panels where it builds (2.1-2.4 ms for 32 rows x
+        # SmolLM2's 49,152 x 576 head against oneDNN's 2.6, Zen 5), else oneDNN's packed copy.
+        self._panels: skinny_linear.PackedWeight | None = None
+        self._linear: Linear | None = None
+        if kernel_usable("skinny", torch.bfloat16, self.weight.device):
+            self._panels = skinny_linear.pack(bf16)
+        else:
+            self._linear = Linear(bf16, None, KernelChoice("onednn", "onednn"))
+            self._linear.release_plain()  # oneDNN's packed copy is the only bf16 one kept
+        del bf16
         self.row_norms = self.weight.norm(dim=1).contiguous()  # |w_j|, fp32 [V]
         # The bound's factor, widened by 2^-10 so that fp32 rounding in the kernel's own
         # comparisons (~2^-23 of the logits) cannot exclude the best token.
@@ -82,7 +93,19 @@ class GreedyHead:
 
     @property
     def nbytes(self) -> int:
-        return self.coarse.packed_bytes
+        if self._panels is not None:
+            return self._panels.nbytes
+        assert self._linear is not None
+        return self._linear.packed_bytes
+
+    def coarse(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] bf16 -> the bf16 head's logits [N, V] bf16 (fp32 sums, rounded once)."""
+        if self._panels is None:
+            assert self._linear is not None
+            return self._linear(x)
+        rows = skinny_linear.MAX_ROWS  # the kernel's class; more rows go in slices of it
+        parts = [skinny_linear.linear(part, self._panels) for part in x.split(rows)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> int64 [N] token ids, -1 where the row needs the full head."""

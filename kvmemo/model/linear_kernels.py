@@ -6,7 +6,7 @@ differs), so the choice changes speed, never the product. Kernels:
 - "onednn": oneDNN's matmul on a weight reordered once into its blocked layout (what vLLM's CPU
   backend calls). On AMD CPUs MKL takes a generic path: oneDNN ran fp32 2.1x faster at 2,048 rows
   and 3.6x at 32 (Zen 5, measured, see docs/benchmarks.md).
-- "skinny": kvmemo's C GEMM for at most 32 rows (decode) on a weight packed once into column
+- "skinny": kvmemo's C GEMM for at most 128 rows (decode) on a weight packed once into column
   panels, its DRAM reads overlapping its arithmetic (fp32 and bf16; skinny_linear.py).
 A `Linear` holds one weight and the kernels chosen for its two shape classes: "decode" (at most
 DECODE_ROWS rows: decode steps, logits) and "prefill" (more rows).
@@ -37,7 +37,8 @@ class KernelChoice:
             if name not in KERNELS:
                 raise ValueError(f"linear kernel must be one of {list(KERNELS)}, got {name!r}")
         if self.prefill == "skinny":
-            raise ValueError("the skinny kernel serves at most 32 rows: not a prefill choice")
+            raise ValueError(f"the skinny kernel serves at most {DECODE_ROWS} rows: not a prefill "
+                             "choice")
 
 
 def onednn_available(dtype: torch.dtype) -> bool:

@@ -26,8 +26,9 @@ from kvmemo.paths import cache_root
 logger = logging.getLogger(__name__)
 
 # 2: the skinny kernel became a packed GEMM serving bf16 too (choices cached before are stale)
-CACHE_VERSION = 2
-DECODE_PROBE_ROWS = (1, 16, 32)  # a single stream and batches of decodes
+# 3: the decode class grew to 128 rows
+CACHE_VERSION = 3
+DECODE_PROBE_ROWS = (1, 16, 64)  # a single stream and batches of decodes
 PREFILL_PROBE_ROWS = 512  # a prefill chunk
 
 
@@ -131,7 +132,7 @@ def _measure(weights: Sequence[torch.Tensor]) -> tuple[KernelChoice, dict[str, f
     for shape_class, row_counts in classes.items():
         for name in KERNELS:
             if name == "skinny" and shape_class == "prefill":
-                continue  # at most 32 rows
+                continue  # at most DECODE_ROWS rows
             if not kernel_usable(name, dtype, cpu):
                 continue
             choice = KernelChoice(decode=name if shape_class == "decode" else "torch",

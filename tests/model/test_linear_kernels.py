@@ -23,7 +23,7 @@ def usable_or_skip(name: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows", [1, 7, 32, 33, 130])  # both classes, and tails of each
+@pytest.mark.parametrize("rows", [1, 7, 32, 128, 129, 300])  # both classes, and tails of each
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (130, 70), (5, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_equals_f_linear(dtype, kernel, rows, out_features, in_features, with_bias):
@@ -53,8 +53,8 @@ def test_the_chosen_kernel_is_the_one_that_runs(monkeypatch):
     monkeypatch.setattr(linear_kernels, "onednn_matmul", spy)
     lin = Linear(torch.randn(64, 32), None, KernelChoice(decode="torch", prefill="onednn"))
     lin(torch.randn(4, 32))  # decode class: torch
-    lin(torch.randn(40, 32))  # prefill class: oneDNN
-    assert calls == [40]
+    lin(torch.randn(linear_kernels.DECODE_ROWS + 1, 32))  # prefill class: oneDNN
+    assert calls == [linear_kernels.DECODE_ROWS + 1]
 
 
 def test_unusable_kernels_fall_back_to_torch():
@@ -64,7 +64,7 @@ def test_unusable_kernels_fall_back_to_torch():
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
     with pytest.raises(ValueError, match="linear kernel must be one of"):
         KernelChoice(decode="fast")
-    with pytest.raises(ValueError, match="at most 32 rows"):
+    with pytest.raises(ValueError, match="at most 128 rows"):
         KernelChoice(prefill="skinny")
 
 

@@ -42,7 +42,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, MAX_ROWS])  # whole and partial row tiles
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 32, MAX_ROWS])  # whole and partial row tiles
 @pytest.mark.parametrize(
     # panel tails (N not a multiple of 32 or 16), odd K (bf16's pair tail), K = 1, many panels
     "out_features,in_features", [(7, 576), (1000, 40), (1536, 576), (9, 1), (64, 1537), (33, 3)]

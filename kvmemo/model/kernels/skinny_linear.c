@@ -2,7 +2,7 @@
  *
  * Invariant: every output is one fp32 sum of x[m, k] * W[n, k] over k (then + b, then rounded
  * once to bf16 for bf16 outputs), so it equals F.linear to fp32 rounding; only the summation
- * order differs. Decode multiplies a few rows (at most 32) by every weight matrix of the model,
+ * order differs. Decode multiplies a few rows (at most 128) by every weight matrix of the model,
  * each matrix read from DRAM once per step, so this is a register-blocked GEMM whose loads of W
  * overlap its arithmetic:
  * - W is packed once (skinny_linear.py) into panels of NC = 2 vectors of output columns, each

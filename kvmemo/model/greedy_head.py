@@ -103,9 +103,7 @@ class GreedyHead:
         if self._panels is None:
             assert self._linear is not None
             return self._linear(x)
-        rows = skinny_linear.MAX_ROWS  # the kernel's class; more rows go in slices of it
-        parts = [skinny_linear.linear(part, self._panels) for part in x.split(rows)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return skinny_linear.linear(x, self._panels)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> int64 [N] token ids, -1 where the row needs the full head."""

@@ -36,9 +36,6 @@ class KernelChoice:
         for name in (self.decode, self.prefill):
             if name not in KERNELS:
                 raise ValueError(f"linear kernel must be one of {list(KERNELS)}, got {name!r}")
-        if self.prefill == "skinny":
-            raise ValueError(f"the skinny kernel serves at most {DECODE_ROWS} rows: not a prefill "
-                             "choice")
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -96,7 +93,7 @@ class Linear:
         self._panels: skinny_linear.PackedWeight | None = None
         if "onednn" in (choice.decode, choice.prefill):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-        if choice.decode == "skinny":
+        if "skinny" in (choice.decode, choice.prefill):
             self._panels = skinny_linear.pack(weight, self.bias)
 
     @property

@@ -132,7 +132,7 @@ def _measure(weights: Sequence[torch.Tensor]) -> tuple[KernelChoice, dict[str, f
     for shape_class, row_counts in classes.items():
         for name in KERNELS:
             if name == "skinny" and shape_class == "prefill":
-                continue  # at most DECODE_ROWS rows
+                continue  # built for decode (the head alone uses it past DECODE_ROWS)
             if not kernel_usable(name, dtype, cpu):
                 continue
             choice = KernelChoice(decode=name if shape_class == "decode" else "torch",

@@ -220,7 +220,11 @@ class LlamaForCausalLM(nn.Module):
             choice = choose_kernels(weights, self.embed_tokens.weight.device)
         for layer in self.layers:
             cast(DecoderLayer, layer).prepare_linears(choice)
-        self.head = Linear(self.lm_head.weight, None, choice)
+        # The head's products past DECODE_ROWS rows (prompt logprobs) are rare: where the few-row
+        # GEMM serves decode it serves them too, so the head is packed once (113 MB for SmolLM2
+        # in fp32), not once per kernel.
+        head_choice = KernelChoice("skinny", "skinny") if choice.decode == "skinny" else choice
+        self.head = Linear(self.lm_head.weight, None, head_choice)
         self.linear_choice = choice
         self._release_plain_weights()
         self.dense_forward = DenseForward(self) if DenseForward.fits(self) else None

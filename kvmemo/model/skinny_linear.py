@@ -2,12 +2,12 @@
 
 Invariant: linear(x, pack(W), b) equals F.linear(x, W, b) to the dtype's rounding (fp32
 accumulation, one rounding to bf16 for bf16), and unpack(pack(W)) is W exactly. The kernel runs
-for CPU fp32 or bf16 [M, K] inputs of the packed weight's dtype with M <= MAX_ROWS; any other
-input goes to F.linear on the unpacked weight. Why: a decode step multiplies a few rows by every
-weight matrix, each read from DRAM once per step; the kernel (kernels/skinny_linear.c) overlaps
-those reads with its arithmetic, where oneDNN's packed GEMM left them exposed (SmolLM2's 150
-products at 32 rows, weights from DRAM, Zen 5, 2 threads: bf16 11.3 -> 8.0 ms, fp32 21.1 ->
-16.5 ms).
+for CPU fp32 or bf16 [M, K] inputs of the packed weight's dtype (any M; it is the fastest choice
+up to MAX_ROWS); any other input goes to F.linear on the unpacked weight. Why: a decode step
+multiplies a few rows by every weight matrix, each read from DRAM once per step; the kernel
+(kernels/skinny_linear.c) overlaps those reads with its arithmetic, where oneDNN's packed GEMM
+left them exposed (SmolLM2's 150 products at 32 rows, weights from DRAM, Zen 5, 2 threads:
+bf16 11.3 -> 8.0 ms, fp32 21.1 -> 16.5 ms).
 """
 
 from __future__ import annotations
@@ -102,7 +102,6 @@ def linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     if (
         library is None
         or x.dim() != 2
-        or x.shape[0] > MAX_ROWS
         # Raw pointers: anything F.linear would reject (another device, a wrong K) must get
         # F.linear's error, never reach the kernel.
         or x.device.type != "cpu"

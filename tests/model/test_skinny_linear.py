@@ -92,13 +92,18 @@ def test_strided_rows_and_weight_views(kernel_calls):
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["too many rows", "other dtype", "wrong K", "autograd"])
+def test_rows_past_the_decode_class_run_the_kernel_too(kernel_calls):
+    """The head's rare large products (prompt logprobs) run the kernel at any row count."""
+    x, weight = torch.randn(MAX_ROWS + 45, 70), torch.randn(33, 70)
+    torch.testing.assert_close(linear(x, pack(weight)), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert kernel_calls == [(MAX_ROWS + 45, 33, 70, 0)]
+
+
+@pytest.mark.parametrize("case", ["other dtype", "wrong K", "autograd"])
 def test_other_inputs_go_to_f_linear(kernel_calls, case):
     x, weight = torch.randn(4, 32), torch.randn(16, 32)
     packed = pack(weight)
-    if case == "too many rows":
-        x = torch.randn(MAX_ROWS + 1, 32)
-    elif case == "other dtype":
+    if case == "other dtype":
         x = x.bfloat16()
     elif case == "wrong K":
         with pytest.raises(RuntimeError):  # F.linear's error, not a read past the weight

@@ -17,6 +17,7 @@ from kvmemo.attention.cascade import cascade_attention
 from kvmemo.attention.fused_decode import FusedDecode
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
+from kvmemo.attention.prefix_packs import PrefixPacks
 from kvmemo.attention.torch_ref import paged_attention_ref
 from kvmemo.attention.workspace import Workspace
 
@@ -57,6 +58,10 @@ class PagedAttentionBackend:
         # This step's KV write + attention in one kernel call per part, when it is a plain
         # decode step (fused_decode.py); None otherwise.
         self._fused: FusedDecode | None = None
+        # Shared prefixes packed for the flash kernel, kept across decode steps while their
+        # blocks stand (prefix_packs.py); inert until the engine hands over the block pool's
+        # generations (ModelRunner.track_block_generations).
+        self.prefix_packs = PrefixPacks()
 
     def forward(
         self,
@@ -99,7 +104,7 @@ class PagedAttentionBackend:
             check_metadata_fits_cache(metadata, kv_cache)
             self._plan = StepPlan.build(metadata)
             self._plan_metadata = metadata
-            self._fused = FusedDecode.plan(self._plan, metadata, kv_cache)
+            self._fused = FusedDecode.plan(self._plan, metadata, kv_cache, self.prefix_packs)
         return self._plan
 
 

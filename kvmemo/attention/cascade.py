@@ -16,11 +16,13 @@ torch_ref.paged_attention_ref to float tolerance.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kvmemo.attention.cache import gather_pages
 from kvmemo.attention.cpu_kernel import load_decode_kernel
-from kvmemo.attention.flash_kernel import flash_attention
+from kvmemo.attention.flash_kernel import PackedKV, flash_attention, flash_attention_packed
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -110,22 +112,41 @@ def cascade_prefix_state(
     scale: float,
     workspace: Workspace,
     prefix_first_block: int | None = None,
+    packed: PackedKV | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query against the shared prefix's keys, no mask: o [T, Hq, D] and lse [T, Hq],
-    fp32 contiguous (what a merge, or the decode kernel as its starting state, takes)."""
-    if prefix_first_block is not None and k_pages.dtype == q.dtype:
+    fp32 contiguous (what a merge, or the decode kernel as its starting state, takes).
+    `packed`: the prefix's K/V packed by flash_kernel.pack_kv (read instead of the pages)."""
+    result = None if packed is None else _prefix_attention(q, None, None, scale, packed)
+    if result is None:
+        k_prefix, v_prefix = prefix_kv(
+            k_pages, v_pages, metadata, prefix_blocks, q.dtype, workspace, prefix_first_block
+        )
+        result = _prefix_attention(q, k_prefix, v_prefix, scale)
+        assert result is not None  # unpacked keys always have a path (torch's kernel)
+    o, lse = result
+    return o.float().contiguous(), lse.float().contiguous()
+
+
+def prefix_kv(
+    k_pages: torch.Tensor,  # [Hkv, num_blocks, bs, D]
+    v_pages: torch.Tensor,
+    metadata: AttentionMetadata,
+    prefix_blocks: int,
+    dtype: torch.dtype,
+    workspace: Workspace,
+    prefix_first_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared prefix's keys and values [Hkv, Lp, D] in `dtype`: a view of the pages when
+    its blocks are consecutive, else gathered."""
+    if prefix_first_block is not None and k_pages.dtype == dtype:
         # A prefix computed on a fresh pool usually got consecutive blocks: a view of its pages
         # saves copying every prefix key and value in every layer of every step.
         blocks = slice(prefix_first_block, prefix_first_block + prefix_blocks)
-        k_prefix = k_pages[:, blocks].flatten(1, 2)  # [Hkv, Lp, D], strided across heads
-        v_prefix = v_pages[:, blocks].flatten(1, 2)
-    else:
-        prefix_ids = metadata.block_tables[0, :prefix_blocks]
-        # [Hkv, Lp, D]
-        k_prefix = gather_pages(k_pages, prefix_ids, q.dtype, "cascade_k", workspace)
-        v_prefix = gather_pages(v_pages, prefix_ids, q.dtype, "cascade_v", workspace)
-    o, lse = _prefix_attention(q, k_prefix, v_prefix, scale)
-    return o.float().contiguous(), lse.float().contiguous()
+        return k_pages[:, blocks].flatten(1, 2), v_pages[:, blocks].flatten(1, 2)  # strided
+    prefix_ids = metadata.block_tables[0, :prefix_blocks]
+    return (gather_pages(k_pages, prefix_ids, dtype, "cascade_k", workspace),
+            gather_pages(v_pages, prefix_ids, dtype, "cascade_v", workspace))
 
 
 def merge_attention_states(
@@ -141,19 +162,28 @@ def merge_attention_states(
 
 
 def _prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """All T queries against the shared keys, no mask. q: [T, Hq, D]; k, v: [Hkv, Lp, D].
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+    packed: PackedKV | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """All T queries against the shared keys, no mask. q: [T, Hq, D]; k, v: [Hkv, Lp, D], or
+    `packed` (their packed form; None comes back where the kernel cannot read it).
 
     Returns o [T, Hq, D] and lse [T, Hq] (fp32).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[0]
+    num_kv_heads = packed.shape[1] if packed is not None else cast(torch.Tensor, k).shape[0]
     group = num_heads // num_kv_heads
     # [T, Hkv, G, D] -> [1, Hkv, T * G, D]: row t * G + g is token t of head h * G + g.
     qg = q.view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
     qg = qg.reshape(1, num_kv_heads, num_tokens * group, head_dim)
-    o, lse = attention_with_lse_upto(qg, k[None], v[None], None, scale)
+    if packed is not None:
+        result = flash_attention_packed(qg, packed, scale)
+        if result is None:
+            return None
+        o, lse = result
+    else:
+        assert k is not None and v is not None
+        o, lse = attention_with_lse_upto(qg, k[None], v[None], None, scale)
     o = o.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
     return o.reshape(num_tokens, num_heads, head_dim), lse.reshape(num_tokens, num_heads)

@@ -12,15 +12,18 @@ index_copy, the suffix's preparation, the merge) cost more than their arithmetic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from kvmemo.attention.cache import PagedKVCache
-from kvmemo.attention.cascade import cascade_prefix_state
+from kvmemo.attention.cascade import cascade_prefix_state, prefix_kv
 from kvmemo.attention.cpu_kernel import DecodeKernel, load_decode_kernel
+from kvmemo.attention.flash_kernel import PackedKV, pack_kv
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan
+from kvmemo.attention.prefix_packs import PrefixKey, PrefixPacks
 from kvmemo.attention.workspace import Workspace
 
 
@@ -36,6 +39,7 @@ class DecodePart:
     prefix_blocks: int  # > 0: a cascade prefix shared by the part, attended first
     prefix_first_block: int | None  # its first block id when its ids ascend (read in place)
     metadata: AttentionMetadata | None  # the part's own (a prefix to gather reads its table)
+    prefix_key: PrefixKey | None = None  # its prefix's identity in PrefixPacks (None: not kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +48,13 @@ class FusedDecode:
 
     kernel: DecodeKernel
     parts: list[DecodePart]
+    packs: PrefixPacks | None = None  # shared prefixes packed in earlier steps, kept across
 
     @classmethod
-    def plan(cls, plan: StepPlan, metadata: AttentionMetadata,
-             kv_cache: PagedKVCache) -> FusedDecode | None:
-        """The step's parts, or None when it is not a plain decode step the kernel can serve."""
+    def plan(cls, plan: StepPlan, metadata: AttentionMetadata, kv_cache: PagedKVCache,
+             packs: PrefixPacks | None = None) -> FusedDecode | None:
+        """The step's parts, or None when it is not a plain decode step the kernel can serve.
+        With `packs`, each part's prefix is keyed there (and prefixes no part uses dropped)."""
         if (
             not metadata.num_seqs or any(n != 1 for n in metadata.query_lens)
             or plan.prefills or plan.decode_windowed
@@ -77,7 +83,10 @@ class FusedDecode:
             parts = None if part is None else [part]
         if parts is None or not all(_int64_contiguous(p) for p in parts):
             return None
-        return cls(kernel, parts)
+        if packs is not None:
+            parts = [_keyed(p, packs, kv_cache) for p in parts]
+            packs.retain({p.prefix_key for p in parts if p.prefix_key is not None})
+        return cls(kernel, parts, packs)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: PagedKVCache, scale: float, workspace: Workspace) -> torch.Tensor:
@@ -85,28 +94,56 @@ class FusedDecode:
         checked kernel.write_fits(q, k, v)."""
         k_pages, v_pages = kv_cache.k_pages[layer], kv_cache.v_pages[layer]
         if len(self.parts) == 1 and self.parts[0].rows is None:
-            return self._run(self.parts[0], q, k, v, k_pages, v_pages, scale, workspace)
+            return self._run(layer, self.parts[0], q, k, v, k_pages, v_pages, scale, workspace)
         out = torch.empty_like(q)
         for part in self.parts:
             assert part.rows is not None
             # [B_part, ...] copies: contiguous, with the layout write_fits admits
             q_part, k_part, v_part = (t.index_select(0, part.rows) for t in (q, k, v))
-            out[part.rows] = self._run(part, q_part, k_part, v_part, k_pages, v_pages, scale,
-                                       workspace)
+            out[part.rows] = self._run(layer, part, q_part, k_part, v_part, k_pages, v_pages,
+                                       scale, workspace)
         return out
 
-    def _run(self, part: DecodePart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             k_pages: torch.Tensor, v_pages: torch.Tensor, scale: float,
+    def _run(self, layer: int, part: DecodePart, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, scale: float,
              workspace: Workspace) -> torch.Tensor:
         prefix = None
         if part.prefix_blocks:
             assert part.metadata is not None
+            packed = self._packed_prefix(layer, part, k_pages, v_pages, q.dtype, workspace)
             prefix = cascade_prefix_state(q, k_pages, v_pages, part.metadata, part.prefix_blocks,
-                                          scale, workspace, part.prefix_first_block)
+                                          scale, workspace, part.prefix_first_block, packed)
         return self.kernel.write_and_decode(
             q, k, v, part.slots, k_pages, v_pages, part.block_tables, part.table_rows,
             part.kv_lens, scale, first_block=part.prefix_blocks, prefix=prefix,
         )
+
+
+    def _packed_prefix(self, layer: int, part: DecodePart, k_pages: torch.Tensor,
+                       v_pages: torch.Tensor, dtype: torch.dtype,
+                       workspace: Workspace) -> PackedKV | None:
+        """The part's prefix packed for the flash kernel: kept from an earlier step, or packed
+        now and kept; None when the part's prefix is not kept (no key)."""
+        if self.packs is None or part.prefix_key is None:
+            return None
+        packed = self.packs.get(layer, part.prefix_key)
+        if packed is None:
+            assert part.metadata is not None
+            k_prefix, v_prefix = prefix_kv(k_pages, v_pages, part.metadata, part.prefix_blocks,
+                                           dtype, workspace, part.prefix_first_block)
+            packed = pack_kv(k_prefix[None], v_prefix[None])
+            if packed is not None:
+                self.packs.put(layer, part.prefix_key, packed)
+        return packed
+
+
+def _keyed(part: DecodePart, packs: PrefixPacks, kv_cache: PagedKVCache) -> DecodePart:
+    """The part with its prefix's PrefixPacks key (unchanged without a prefix)."""
+    if not part.prefix_blocks or part.metadata is None:
+        return part
+    block_ids = part.metadata.block_tables[0, :part.prefix_blocks].tolist()
+    key = packs.key(kv_cache.k_pages[0], kv_cache.dtype, block_ids)
+    return dataclasses.replace(part, prefix_key=key)
 
 
 def _cascade_part(rows: torch.Tensor | None, metadata: AttentionMetadata, prefix_blocks: int,

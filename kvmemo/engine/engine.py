@@ -153,6 +153,7 @@ class Engine:
             encoder_cache=encoder_cache,
             kv_groups=self.layout.groups,
         )
+        self.runner.track_block_generations(self.kv_manager.block_pool.generations)
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self._structured: StructuredOutputCompiler | None = None

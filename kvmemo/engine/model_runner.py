@@ -86,6 +86,13 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self.last_blend_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def track_block_generations(self, generations: Sequence[int]) -> None:
+        """Lets attention keep work derived from full blocks (packed shared prefixes) across
+        steps while their allocation generations stand (BlockPool.generations)."""
+        packs = getattr(self.attention_backend, "prefix_packs", None)
+        if packs is not None:
+            packs.generations = generations
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if output.block_copies:

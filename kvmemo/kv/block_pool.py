@@ -72,6 +72,11 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self.num_evicted_blocks = 0  # cumulative
         self.num_stored_blocks = 0  # cumulative
+        # Per block, how many times get_new_blocks handed it out: a block's KV changes only
+        # after that (it then holds a new sequence's tokens), so an unchanged generation means
+        # unchanged content for a full, computed block. Readers keep work derived from a block
+        # (the attention's packed shared prefix) while its generation stands.
+        self.generations = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,6 +107,7 @@ class BlockPool:
         for block in blocks:
             assert block.ref_count == 0, f"free block {block.block_id} is referenced"
             block.ref_count = 1
+            self.generations[block.block_id] += 1
             if block.block_hash is not None:
                 if block.group == 0:
                     removed.append(block.block_hash)

@@ -370,6 +370,32 @@ static int unsupported(int dtype, int64_t M, int64_t L, int64_t D) {
     return (dtype != 0 && dtype != 1) || D % 64 != 0 || D > 512 || M < 1 || L < 1;
 }
 
+/* Bytes of one packed K (and of one packed V) of B x H problems of L keys. */
+int64_t kvmemo_flash_packed_bytes(int dtype, int64_t B, int64_t H, int64_t L, int64_t D) {
+    return B * H * ((L + NB - 1) / NB) * NB * D * (dtype == 0 ? 4 : 2);
+}
+
+/* Packs keys and values once for kvmemo_flash_attention_packed: a decode step's shared prefix,
+ * which every layer call of step after step reads unchanged. Returns 0, or 1 (unsupported). */
+int kvmemo_flash_pack(const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t L,
+                      int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb,
+                      int64_t v_sh, int64_t v_sr, void *kbuf, void *vbuf) {
+    if (unsupported(dtype, 1, L, D)) return 1;
+    pack_all(k, v, dtype, B, H, L, D, k_sb, k_sh, k_sr, v_sb, v_sh, v_sr, kbuf, vbuf);
+    return 0;
+}
+
+/* kvmemo_flash_attention over keys and values kvmemo_flash_pack packed (no limits: every row
+ * sees every key). */
+int kvmemo_flash_attention_packed(const void *q, const void *kbuf, const void *vbuf, int dtype,
+                                  int64_t B, int64_t H, int64_t M, int64_t L, int64_t D,
+                                  int64_t q_sb, int64_t q_sh, int64_t q_sr, float scale,
+                                  float *out, float *lse) {
+    if (unsupported(dtype, M, L, D)) return 1;
+    attend(q, kbuf, vbuf, dtype, B, H, M, L, D, q_sb, q_sh, q_sr, NULL, 0, scale, out, lse);
+    return 0;
+}
+
 int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtype, int64_t B,
                            int64_t H, int64_t M, int64_t L, int64_t D, int64_t q_sb,
                            int64_t q_sh, int64_t q_sr, int64_t k_sb, int64_t k_sh, int64_t k_sr,
@@ -381,7 +407,7 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
      * step's prefix attention. */
     static __thread char *scratch = NULL;
     static __thread size_t scratch_bytes = 0;
-    size_t half = (size_t)(B * H * ((L + NB - 1) / NB) * NB * D * (dtype == 0 ? 4 : 2));
+    size_t half = (size_t)kvmemo_flash_packed_bytes(dtype, B, H, L, D);
     char *own = NULL; /* a call above the kept size's cap allocates for itself */
     if (2 * half > SCRATCH_CAP) {
         own = malloc(2 * half);
@@ -408,6 +434,25 @@ int kvmemo_flash_attention(const void *q, const void *k, const void *v, int dtyp
     (void)q; (void)k; (void)v; (void)dtype; (void)B; (void)H; (void)M; (void)L; (void)D;
     (void)q_sb; (void)q_sh; (void)q_sr; (void)k_sb; (void)k_sh; (void)k_sr; (void)v_sb;
     (void)v_sh; (void)v_sr; (void)limits; (void)lim_sb; (void)scale; (void)out; (void)lse;
+    return 1;
+}
+int64_t kvmemo_flash_packed_bytes(int dtype, int64_t B, int64_t H, int64_t L, int64_t D) {
+    (void)dtype; (void)B; (void)H; (void)L; (void)D;
+    return 0;
+}
+int kvmemo_flash_pack(const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t L,
+                      int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_sr, int64_t v_sb,
+                      int64_t v_sh, int64_t v_sr, void *kbuf, void *vbuf) {
+    (void)k; (void)v; (void)dtype; (void)B; (void)H; (void)L; (void)D; (void)k_sb; (void)k_sh;
+    (void)k_sr; (void)v_sb; (void)v_sh; (void)v_sr; (void)kbuf; (void)vbuf;
+    return 1;
+}
+int kvmemo_flash_attention_packed(const void *q, const void *kbuf, const void *vbuf, int dtype,
+                                  int64_t B, int64_t H, int64_t M, int64_t L, int64_t D,
+                                  int64_t q_sb, int64_t q_sh, int64_t q_sr, float scale,
+                                  float *out, float *lse) {
+    (void)q; (void)kbuf; (void)vbuf; (void)dtype; (void)B; (void)H; (void)M; (void)L; (void)D;
+    (void)q_sb; (void)q_sh; (void)q_sr; (void)scale; (void)out; (void)lse;
     return 1;
 }
 #endif

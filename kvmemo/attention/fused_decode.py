@@ -118,7 +118,6 @@ class FusedDecode:
             part.kv_lens, scale, first_block=part.prefix_blocks, prefix=prefix,
         )
 
-
     def _packed_prefix(self, layer: int, part: DecodePart, k_pages: torch.Tensor,
                        v_pages: torch.Tensor, dtype: torch.dtype,
                        workspace: Workspace) -> PackedKV | None:

@@ -182,8 +182,7 @@ class Sampler:
                 token_ids[i] = torch.nan_to_num(logits[i], nan=float("-inf")).argmax()
         live_plain = [j for j, i in enumerate(plain) if usable[i]]
         if live_plain:
-            source = plain_logits if len(live_plain) == len(plain) else plain_logits[
-                torch.tensor(live_plain, device=device)]
+            source = _rows_of(plain_logits, live_plain)
             temps = [params[plain[j]].temperature for j in live_plain]
             uniforms = [draws[plain[j]] for j in live_plain]
             tokens = sample_rows(source.contiguous(), temps, uniforms)
@@ -197,8 +196,7 @@ class Sampler:
         if live_cut and probs is not None:
             uniforms_cut = torch.tensor([draws[cut[j]] for j in live_cut], dtype=probs.dtype,
                                         device=device)
-            live_probs = probs if len(live_cut) == len(cut) else probs[
-                torch.tensor(live_cut, device=device)]
+            live_probs = _rows_of(probs, live_cut)
             for j, token in zip(live_cut, _inverse_cdf(live_probs, uniforms_cut).tolist()):
                 token_ids[cut[j]] = token
 

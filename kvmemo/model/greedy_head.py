@@ -79,15 +79,16 @@ class GreedyHead:
 
     @staticmethod
     def available(weight: torch.Tensor) -> bool:
-        """An fp32 CPU head on a CPU with bf16 products, oneDNN and the C kernel present
-        (KVMEMO_GREEDY_HEAD=0 turns it off)."""
+        """An fp32 CPU head on a CPU with bf16 products, a bf16 product to run it (the few-row
+        GEMM or oneDNN) and the C check present (KVMEMO_GREEDY_HEAD=0 turns it off)."""
         return (
             os.environ.get("KVMEMO_GREEDY_HEAD", "1") != "0"
             and weight.device.type == "cpu"
             and weight.dtype == torch.float32
             and weight.dim() == 2
             and cpu_has_bf16_products()
-            and onednn_available(torch.bfloat16)
+            and (kernel_usable("skinny", torch.bfloat16, weight.device)
+                 or onednn_available(torch.bfloat16))
             and _kernel() is not None
         )
 

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../../model/kernels/bf16.h"
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3 };
 enum { TILE = 16, MAX_D = 256, MAX_GROUP = 32 };
 /* Software prefetch of the pages PREFETCH_TILES tiles ahead, into L2 (locality 1: prefetcht2).
@@ -303,14 +305,6 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-/* fp32 -> bf16, rounding to nearest even as torch's cast does; a NaN stays a NaN. */
-static inline uint16_t bf16_bits(float x) {
-    uint32_t a;
-    memcpy(&a, &x, 4);
-    if ((a & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((a >> 16) | 0x40u);
-    return (uint16_t)((a + 0x7FFFu + ((a >> 16) & 1u)) >> 16);
-}
-
 /* The new token's key and value of (sequence b, kv head h) into its slot, in the pages' dtype
  * (fp32 copied; bf16 rounded to nearest even, as torch's cast). */
 static inline void write_slot(const float *k, const float *v, void *k_pages, void *v_pages,
@@ -322,8 +316,8 @@ static inline void write_slot(const float *k, const float *v, void *k_pages, voi
     }
     uint16_t *kd = (uint16_t *)k_pages + offset, *vd = (uint16_t *)v_pages + offset;
     for (int64_t d = 0; d < D; d++) {
-        kd[d] = bf16_bits(k[d]);
-        vd[d] = bf16_bits(v[d]);
+        kd[d] = to_bf16(k[d]);
+        vd[d] = to_bf16(v[d]);
     }
 }
 
@@ -333,7 +327,7 @@ static inline void store_io(const float *src, int io, int64_t n, void *dst) {
         return;
     }
     uint16_t *d = (uint16_t *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = bf16_bits(src[i]);
+    for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
 }
 
 /* The whole decode attention of one layer. q/k_new/v_new/out are fp32 or bf16 (io, one dtype

@@ -11,10 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_value(uint16_t bits) {
-    union { uint32_t u; float f; } v = {(uint32_t)bits << 16};
-    return v.f;
-}
+#include "bf16.h"
 
 static float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
@@ -43,7 +40,7 @@ static float lower_bound(const uint16_t *c, const float *norms, float radius, in
     low = _mm512_reduce_max_ps(acc);
 #endif
     for (; j < vocab; j++) {
-        float value = bf16_value(c[j]) - radius * norms[j];
+        float value = from_bf16(c[j]) - radius * norms[j];
         low = value > low ? value : low;
     }
     return low;
@@ -59,7 +56,7 @@ static inline void consider(int64_t j, const float *x, const float *weight, int6
     }
 }
 
-/* coarse: [rows, vocab] bf16 (as oneDNN's bf16 product returns it), row stride coarse_ld;
+/* coarse: [rows, vocab] bf16 (the bf16 head's product), row stride coarse_ld;
  * norms: [vocab] |W[j]|; radii: [rows], the bound's factor for each row. */
 void kvmemo_refine_argmax(const uint16_t *coarse, int64_t rows, int64_t vocab, int64_t coarse_ld,
                           const float *x, int64_t dim, const float *weight, const float *norms,
@@ -89,7 +86,7 @@ void kvmemo_refine_argmax(const uint16_t *coarse, int64_t rows, int64_t vocab, i
         }
 #endif
         for (; j < vocab; j++)
-            if (bf16_value(c[j]) + radius * norms[j] >= low)
+            if (from_bf16(c[j]) + radius * norms[j] >= low)
                 consider(j, xr, weight, dim, &best, &best_j);
         out[r] = best_j;
     }

@@ -13,24 +13,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
 enum { F32 = 0, BF16 = 1 };
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch's cast does; NaN stays NaN. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static void load_row(const void *src, int32_t dtype, int64_t n, float *dst) {
     if (dtype == F32) {

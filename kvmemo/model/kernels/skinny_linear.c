@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VL 16
@@ -40,20 +42,6 @@ static inline vu load_vu(const void *p) { vu v; memcpy(&v, p, sizeof v); return 
 static inline vf as_vf(vu v) { vf f; memcpy(&f, &v, sizeof f); return f; }
 
 int kvmemo_skinny_panel_cols(void) { return NC; }
-
-/* Round-to-nearest-even fp32 -> bf16, NaN kept a (quiet) NaN: torch's conversion. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* Prefetch `lines` cache lines of the next panel from *cursor on, not past `end`. */
 static inline void prefetch_lines(const char **cursor, const char *end, int lines) {

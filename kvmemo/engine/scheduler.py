@@ -145,13 +145,24 @@ class Scheduler:
         if not preempted:
             self._order_waiting(budget)
             in_flight = self._blocks_being_computed()
+            computing: dict[BlockHash, Request] = {}
+            for request, num_new in scheduled:
+                self._track_computing(computing, request, num_new)
             deferred: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
                 request = self.waiting.popleft()
                 prefix = self.kv.get_computed_blocks(request)
+                if (
+                    self._next_block_in_flight(request, prefix.num_tokens, in_flight)
+                    and request.blend is None
+                    and not request.skips_prefix_cache
+                ):
+                    # Blocks this very step computes for another request: share them (their KV
+                    # is written before any attention of the step reads it).
+                    prefix = self.kv.extend_in_flight(request, prefix, computing)
                 # Check before the store read: a block this step computes or loads for another
-                # request is a device hit next step, so reading it from the store again (and
-                # holding a second copy) would be waste.
+                # request, and that could not be shared, is a device hit next step, so computing
+                # it again or reading it from the store (a second copy) would be waste.
                 if self._next_block_in_flight(request, prefix.num_tokens, in_flight):
                     deferred.append(request)
                     continue
@@ -201,6 +212,7 @@ class Scheduler:
                 self.running.append(request)
                 scheduled.append((request, num_new))
                 budget -= num_new
+                self._track_computing(computing, request, num_new)
                 # Blocks loaded from the store this step count as in flight too: they commit
                 # after the step, like the ones computed.
                 in_flight.update(request.block_hashes[prefix.num_tokens // self.kv.block_size :])
@@ -302,6 +314,20 @@ class Scheduler:
             for h in self._uncomputed_block_hashes(r)
         }
 
+    def _track_computing(
+        self, computing: dict[BlockHash, Request], request: Request, num_new: int
+    ) -> None:
+        """Records the full blocks `request` completes in the step being scheduled (from its
+        num_computed_tokens on), for requests admitted after it to share. Only sampling
+        sequences count: a beam publishes its blocks when its search ends, not after the step."""
+        if not request.sample_tokens:
+            return
+        size = self.kv.block_size
+        start = request.num_computed_tokens
+        end = min((start + num_new) // size, len(request.block_hashes))
+        for block_hash in request.block_hashes[start // size : end]:
+            computing.setdefault(block_hash, request)
+
     def _next_block_in_flight(
         self, request: Request, num_cached_tokens: int, in_flight: set[BlockHash]
     ) -> bool:
@@ -317,19 +343,27 @@ class Scheduler:
         """When the budget cannot take every waiting prompt, serve cached prefixes first.
 
         Longest cached prefix first, so hits are used before eviction takes them; preempted
-        requests keep their place at the front; ties keep arrival order (the sort is stable).
+        requests keep their place at the front. Among equal hits, requests whose next block to
+        compute is the same (a shared prompt nobody has computed yet) follow the first of them
+        to arrive: it computes those blocks and the rest share them in the same step
+        (extend_in_flight) for the cost of their own tokens, before another long prompt takes the
+        budget. Otherwise arrival order holds (the sort is stable).
         """
         if len(self.waiting) < 2 or len(self.waiting) > _MAX_WAITING_FOR_PREFIX_ORDER:
             return
         if sum(r.num_tokens for r in self.waiting) <= budget:
             return
-        ordered = sorted(
-            self.waiting,
-            key=lambda r: (
-                r.status != RequestStatus.PREEMPTED, -self.kv.get_computed_blocks(r).num_tokens
-            ),
-        )
-        self.waiting = deque(ordered)
+        keys: dict[str, tuple[bool, int, int]] = {}
+        group_rank: dict[BlockHash, int] = {}
+        for position, request in enumerate(self.waiting):
+            prefix = self.kv.get_computed_blocks(request)
+            index = len(prefix.blocks)
+            rank = position
+            if index < len(request.block_hashes):
+                rank = group_rank.setdefault(request.block_hashes[index], position)
+            preempted = request.status == RequestStatus.PREEMPTED
+            keys[request.request_id] = (not preempted, -prefix.num_tokens, rank)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: keys[r.request_id]))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -14,7 +14,7 @@ groups. Events and prefix-cache counters speak for group 0, the full-attention g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import Block, BlockPool
@@ -181,6 +181,14 @@ class HybridKVCacheManager:
             return None
         first = PrefixMatch(prefix.blocks, num_tokens)
         return PrefixMatch(first.blocks, num_tokens, None, (first, *[m for m in others if m]))
+
+    def extend_in_flight(
+        self, request: Request, prefix: PrefixMatch, computing: Mapping[BlockHash, Request]
+    ) -> PrefixMatch:
+        """`prefix` unchanged: sharing blocks computed in the same step is left to single-group
+        layouts (a sliding group would need each group's window agreed on blocks not yet
+        written), so here such a request waits a step for them to commit."""
+        return prefix
 
     def cached_block_ids(self, block_hash: BlockHash) -> tuple[int, ...] | None:
         """Every group's cached block under `block_hash`, or None if a group lacks it (a store

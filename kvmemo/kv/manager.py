@@ -11,7 +11,7 @@ were released; hybrid.py composes one manager per group over a shared pool.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -208,6 +208,46 @@ class KVCacheManager:
             if block.extra_keys == full_block_keys:
                 best = PartialMatch(block=block, num_tokens=k, source_hash=block.block_hash)
         return best
+
+    def extend_in_flight(
+        self, request: Request, prefix: PrefixMatch, computing: Mapping[BlockHash, Request]
+    ) -> PrefixMatch:
+        """`prefix` extended by the full blocks other requests compute in the step being
+        scheduled, or `prefix` itself when its next block is not among them.
+
+        `computing` maps the hash of each full block the step completes to the request holding
+        it (Scheduler._track_computing). Sharing such a block instead of computing it again is
+        safe because the step writes every new token's KV before any layer's attention reads it,
+        so a request whose cached prefix ends in blocks written by the same forward sees them
+        complete; the owner commits them after the step, as usual. A partial match is dropped
+        (its tokens lie in the first shared block). The shared run is verified against the
+        owner's tokens and extra keys, like any hit, and keeps the last-token rule.
+        """
+        size = self.block_size
+        first = len(prefix.blocks)
+        end = min(len(request.block_hashes), (request.num_tokens - 1) // size)
+        owner = computing.get(request.block_hashes[first]) if first < end else None
+        owner_state = self._requests.get(owner.request_id) if owner is not None else None
+        if owner is None or owner_state is None:
+            return prefix
+        shared: list[Block] = []
+        for index in range(first, min(end, len(owner_state.blocks))):
+            block = owner_state.blocks[index]
+            if (
+                computing.get(request.block_hashes[index]) is not owner
+                or block is None
+                or block.block_hash is not None
+                or self._hasher.extra_keys(owner, index) != self._hasher.extra_keys(request, index)
+            ):
+                break
+            shared.append(block)
+        num_tokens = (first + len(shared)) * size
+        # Hashes chain over every earlier token, but equal hashes are not proof: compare them all.
+        if not shared or owner.all_token_ids[:num_tokens] != request.all_token_ids[:num_tokens]:
+            return prefix
+        return PrefixMatch(
+            blocks=(*prefix.blocks, *shared), num_tokens=num_tokens, num_in_flight=len(shared)
+        )
 
     def match_exactly(self, request: Request, num_tokens: int) -> PrefixMatch | None:
         """The match serving exactly the first `num_tokens` tokens in this group, or None.
@@ -417,9 +457,12 @@ class KVCacheManager:
 
     def _check_fresh(self, request: Request, prefix: PrefixMatch) -> None:
         """Asserts `prefix` is still valid: no allocation evicted its blocks since the match."""
-        for index, block in enumerate(prefix.blocks):
+        num_cached = len(prefix.blocks) - prefix.num_in_flight
+        for index, block in enumerate(prefix.blocks[:num_cached]):
             if block is not None:
                 assert block.block_hash == request.block_hashes[index], "stale PrefixMatch"
+        for block in prefix.blocks[num_cached:]:  # in flight: held by the request computing them
+            assert block is not None and block.block_hash is None and block.ref_count > 0
         if prefix.partial is not None and prefix.partial.source_hash is not None:
             assert prefix.partial.block.block_hash == prefix.partial.source_hash, (
                 "stale PrefixMatch: its full source block was evicted"

@@ -42,6 +42,10 @@ class PrefixMatch:
     # A hybrid layout's match: one per layer group, all of num_tokens (group 0's is this one's
     # blocks and partial); empty for a single-group layout.
     group_matches: tuple[PrefixMatch, ...] = ()
+    # The last num_in_flight of `blocks` are not committed yet: another request computes them in
+    # the step being scheduled (KVCacheManager.extend_in_flight). Their KV is written in that
+    # step's forward before any attention reads it (the AttentionBackend invariant).
+    num_in_flight: int = 0
 
 
 NO_MATCH = PrefixMatch(blocks=(), num_tokens=0, partial=None)

@@ -141,6 +141,30 @@ def test_generated_blocks_are_reusable_while_the_request_still_runs(llm, cold):
     assert b.outputs[0].token_ids == cold.generate([b_ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_requests_share_a_prompt_computed_in_their_own_step(llm, cold):
+    llm.reset_prefix_cache()
+    engine = llm.engine
+    system = engine.processor.encode_prompt(SYSTEM)
+    prompts = [system + engine.processor.encode_prompt(" " + q) for q in QUESTIONS[:4]]
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", engine.processor.process(ids), GREEDY)
+    first = engine.step()
+    # One step gave every request its first token: the last three read the system prompt's
+    # blocks that the first one's forward wrote in that same step.
+    assert sorted(out.request_id for out in first) == ["r0", "r1", "r2", "r3"]
+    num_shared = len(system) // engine.config.block_size * engine.config.block_size
+    assert [o.metrics.num_cached_tokens for o in sorted(first, key=lambda o: o.request_id)] == [
+        0, num_shared, num_shared, num_shared
+    ]
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    expected = cold.generate(prompts, GREEDY, use_tqdm=False)
+    assert [outs[f"r{i}"].outputs[0].token_ids for i in range(4)] == tokens(expected)
+
+
 def test_partial_block_is_reused_by_copy(llm, cold):
     llm.reset_prefix_cache()
     block_size = llm.engine.config.block_size

@@ -29,16 +29,54 @@ def run_step(scheduler: Scheduler, token: int = 7):
     return out
 
 
-def test_request_sharing_an_in_flight_prefix_waits_one_step_then_hits():
+def test_request_shares_the_prefix_blocks_another_computes_in_the_same_step():
     scheduler = make_scheduler()
     shared = list(range(100, 120))  # 5 full blocks
     scheduler.add_request(request("a", shared + [1, 2]))
     scheduler.add_request(request("b", shared + [3, 4]))
+    first = scheduler.schedule()
+    a, b = first.sequences
+    assert (a.request_id, a.num_computed_tokens, len(a.token_ids)) == ("a", 0, 22)
+    # b computes only its own two tokens, over a's five blocks, written by the same forward.
+    assert (b.request_id, b.num_computed_tokens, len(b.token_ids)) == ("b", 20, 2)
+    assert b.block_table[:5] == a.block_table[:5]
+    assert b.block_table[5] != a.block_table[5]
+    scheduler.kv.check_invariants()
+    scheduler.update_from_output(first, {"a": 7, "b": 7})
+    scheduler.kv.check_invariants()  # a committed the shared blocks; b holds them, uncommitted
+    c = request("c", shared + [5, 6])
+    assert scheduler.kv.get_computed_blocks(c).num_tokens == 20  # published after the step
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+    assert scheduler.kv.num_free_blocks == 64
+
+
+def test_request_waits_when_the_shared_blocks_are_not_all_computed_this_step():
+    scheduler = make_scheduler(budget=12)
+    shared = list(range(100, 120))  # 5 full blocks; a's first chunk computes 3 of them
+    scheduler.add_request(request("a", shared + [1, 2]))
+    scheduler.add_request(request("b", shared + [3, 4]))
     first = run_step(scheduler)
-    assert [s.request_id for s in first.sequences] == ["a"]  # b would recompute a's blocks
+    # Sharing 3 blocks would leave b's next block in flight (a computes it next step): b waits
+    # instead of computing it a second time.
+    assert [s.request_id for s in first.sequences] == ["a"]
     second = run_step(scheduler)
     b = next(s for s in second.sequences if s.request_id == "b")
-    assert b.num_computed_tokens == 20  # all of a's shared blocks, committed after step 1
+    assert b.num_computed_tokens == 20  # three blocks committed, two shared in flight
+    assert b.block_table[:5] == next(s for s in second.sequences if s.request_id == "a").block_table[:5]
+
+
+def test_requests_sharing_an_uncomputed_prompt_follow_the_first_of_them():
+    scheduler = make_scheduler(budget=30)
+    shared = list(range(100, 120))
+    scheduler.add_request(request("a1", shared + [1, 2]))
+    scheduler.add_request(request("long", list(range(300, 328))))
+    scheduler.add_request(request("a2", shared + [3, 4]))
+    out = scheduler.schedule()
+    # a2 costs two tokens beside a1; arrival order would give the budget to "long" first.
+    assert [(s.request_id, len(s.token_ids)) for s in out.sequences] == [
+        ("a1", 22), ("a2", 2), ("long", 6)
+    ]
 
 
 def test_cached_prefix_goes_first_when_the_budget_is_tight():

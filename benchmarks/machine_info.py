@@ -31,5 +31,12 @@ def vector_isa() -> str:
 
 
 def cpu_label() -> str:
-    """e.g. 'AMD EPYC (avx2)'."""
-    return f"{_cpuinfo_field('model name') or platform.machine()} ({vector_isa()})"
+    """e.g. 'AMD EPYC family 25 model 17 (avx512, avx512_bf16)': the VM names Zen 4 and Zen 5
+    alike, and they differ by ~2x here (Zen 4 runs 512-bit instructions in two halves)."""
+    name = _cpuinfo_field("model name") or platform.machine()
+    family, model = _cpuinfo_field("cpu family"), _cpuinfo_field("model\t")
+    if family and model:
+        name = f"{name} family {family} model {model}"
+    flags = set((_cpuinfo_field("flags") or "").split())
+    extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join([vector_isa(), *extras])})"

@@ -214,8 +214,12 @@ class Scheduler:
                 budget -= num_new
                 self._track_computing(computing, request, num_new)
                 # Blocks loaded from the store this step count as in flight too: they commit
-                # after the step, like the ones computed.
-                in_flight.update(request.block_hashes[prefix.num_tokens // self.kv.block_size :])
+                # after the step, like the ones computed. Without prefix caching nothing
+                # commits, so nothing is worth waiting for or sharing.
+                if self.kv.enable_caching:
+                    in_flight.update(
+                        request.block_hashes[prefix.num_tokens // self.kv.block_size :]
+                    )
             self.waiting.extendleft(reversed(deferred))
 
         sequences = [
@@ -320,7 +324,7 @@ class Scheduler:
         """Records the full blocks `request` completes in the step being scheduled (from its
         num_computed_tokens on), for requests admitted after it to share. Only sampling
         sequences count: a beam publishes its blocks when its search ends, not after the step."""
-        if not request.sample_tokens:
+        if not request.sample_tokens or not self.kv.enable_caching:
             return
         size = self.kv.block_size
         start = request.num_computed_tokens

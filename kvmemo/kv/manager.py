@@ -223,6 +223,8 @@ class KVCacheManager:
         (its tokens lie in the first shared block). The shared run is verified against the
         owner's tokens and extra keys, like any hit, and keeps the last-token rule.
         """
+        if not self.enable_caching or request.skips_prefix_cache:
+            return prefix
         size = self.block_size
         first = len(prefix.blocks)
         end = min(len(request.block_hashes), (request.num_tokens - 1) // size)

@@ -11,8 +11,10 @@ from tests.kv.kv_testing import make_hasher, make_layout
 BLOCK = 4
 
 
-def make_scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16) -> Scheduler:
-    kv = KVCacheManager(make_layout(num_blocks, BLOCK))
+def make_scheduler(
+    num_blocks: int = 64, budget: int = 64, max_seqs: int = 16, caching: bool = True
+) -> Scheduler:
+    kv = KVCacheManager(make_layout(num_blocks, BLOCK), enable_caching=caching)
     return Scheduler(SchedulerLimits(budget, max_seqs, 4096), kv)
 
 
@@ -49,6 +51,16 @@ def test_request_shares_the_prefix_blocks_another_computes_in_the_same_step():
     while scheduler.num_unfinished:
         run_step(scheduler)
     assert scheduler.kv.num_free_blocks == 64
+
+
+def test_without_prefix_caching_requests_neither_share_nor_wait():
+    scheduler = make_scheduler(caching=False)
+    shared = list(range(100, 120))
+    scheduler.add_request(request("a", shared + [1, 2]))
+    scheduler.add_request(request("b", shared + [3, 4]))
+    a, b = scheduler.schedule().sequences
+    assert (b.request_id, b.num_computed_tokens, len(b.token_ids)) == ("b", 0, 22)
+    assert not set(a.block_table) & set(b.block_table)
 
 
 def test_request_waits_when_the_shared_blocks_are_not_all_computed_this_step():

@@ -152,11 +152,9 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
                 request = self.waiting.popleft()
                 prefix = self.kv.get_computed_blocks(request)
-                if (
-                    self._next_block_in_flight(request, prefix.num_tokens, in_flight)
-                    and request.blend is None
-                    and not request.skips_prefix_cache
-                ):
+                if self._next_block_in_flight(
+                    request, prefix.num_tokens, in_flight
+                ) and self._can_share_in_flight(request):
                     # Blocks this very step computes for another request: share them (their KV
                     # is written before any attention of the step reads it).
                     prefix = self.kv.extend_in_flight(request, prefix, computing)
@@ -318,13 +316,34 @@ class Scheduler:
             for h in self._uncomputed_block_hashes(r)
         }
 
+    def _can_share_in_flight(self, request: Request) -> bool:
+        """Whether `request` may share blocks computed in its own step (extend_in_flight): not
+        without prefix caching, in a hybrid layout, or for a blend or a prompt that skips the
+        cache."""
+        return (
+            self.kv.enable_caching
+            and not self.kv.layout.is_hybrid
+            and request.blend is None
+            and not request.skips_prefix_cache
+        )
+
     def _track_computing(
         self, computing: dict[BlockHash, Request], request: Request, num_new: int
     ) -> None:
         """Records the full blocks `request` completes in the step being scheduled (from its
-        num_computed_tokens on), for requests admitted after it to share. Only sampling
-        sequences count: a beam publishes its blocks when its search ends, not after the step."""
-        if not request.sample_tokens or not self.kv.enable_caching:
+        num_computed_tokens on), for requests admitted after it to share. Not recorded:
+        - a beam (it publishes its blocks when its search ends, not after the step);
+        - a blend (the runner computes blends after the other sequences of the step, so a
+          sharer would read its blocks before they are written);
+        - a single new token (every sequence of a step that shares then computes a prompt chunk,
+          so the step never takes the fused decode path, which writes each sequence's slot as
+          it attends rather than all of them first)."""
+        if (
+            not request.sample_tokens
+            or request.blend is not None
+            or num_new < 2
+            or not self.kv.enable_caching
+        ):
             return
         size = self.kv.block_size
         start = request.num_computed_tokens
@@ -363,7 +382,7 @@ class Scheduler:
             prefix = self.kv.get_computed_blocks(request)
             index = len(prefix.blocks)
             rank = position
-            if index < len(request.block_hashes):
+            if index < len(request.block_hashes) and self._can_share_in_flight(request):
                 rank = group_rank.setdefault(request.block_hashes[index], position)
             preempted = request.status == RequestStatus.PREEMPTED
             keys[request.request_id] = (not preempted, -prefix.num_tokens, rank)

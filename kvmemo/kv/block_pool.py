@@ -72,10 +72,11 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self.num_evicted_blocks = 0  # cumulative
         self.num_stored_blocks = 0  # cumulative
-        # Per block, how many times get_new_blocks handed it out: a block's KV changes only
-        # after that (it then holds a new sequence's tokens), so an unchanged generation means
-        # unchanged content for a full, computed block. Readers keep work derived from a block
-        # (the attention's packed shared prefix) while its generation stands.
+        # Per block, how many times get_new_blocks or take_free_block handed it out: a block's
+        # KV changes only after that (it then holds a new sequence's tokens), so an unchanged
+        # generation means unchanged content for a full, computed block. Readers keep work
+        # derived from a block (the attention's packed shared prefix) while its generation
+        # stands.
         self.generations = [0] * num_blocks
 
     @property
@@ -138,6 +139,7 @@ class BlockPool:
         assert block.ref_count == 0, f"block {block.block_id} is not free"
         self._free_queue.remove(block)
         block.ref_count = 1
+        self.generations[block.block_id] += 1  # its slots past the kept ones are rewritten
         if block.block_hash is not None:
             block_hash, group = block.block_hash, block.group
             self._evict(block)

@@ -376,6 +376,9 @@ class KVCacheManager:
             self._copy_on_write(state, shared_tail, num_computed % self.block_size)
         if prefix is not None:
             self._check_fresh(request, prefix)
+            for block in prefix.blocks[len(prefix.blocks) - prefix.num_in_flight :]:
+                assert block is not None
+                self._forget_partial(block)  # shared now, and full after the step
 
         self.block_pool.touch(hits)  # first: a free hit must not be popped below
         new_blocks: list[Block] = []

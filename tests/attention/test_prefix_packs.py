@@ -96,10 +96,14 @@ def test_block_generations_count_hand_outs_not_cache_hits():
     first = pool.get_new_blocks(2)
     assert pool.generations == [1, 1, 0, 0]
     pool.free_blocks(first)
-    pool.take_free_block(first[0])  # a cache hit takes a block back with its content
+    pool.touch([first[0]])  # a cache hit takes a block back with its content
     assert pool.generations == [1, 1, 0, 0]
     pool.get_new_blocks(3)  # blocks 1-3 (block 0 is held)
     assert pool.generations == [1, 2, 1, 1]
+    pool.free_blocks([first[0]])
+    # Adopted as a partial-reuse source: its first slots are kept, the rest rewritten.
+    pool.take_free_block(first[0])
+    assert pool.generations == [2, 2, 1, 1]
 
 
 def test_packs_drop_what_a_step_no_longer_uses_and_respect_their_budget():

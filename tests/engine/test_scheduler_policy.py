@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
 from kvmemo.kv.manager import KVCacheManager
-from kvmemo.request import Request, RequestStatus
+from kvmemo.request import BlendSpec, Request, RequestStatus
 from kvmemo.sampling import SamplingParams
 from tests.kv.kv_testing import make_hasher, make_layout
 
@@ -61,6 +61,34 @@ def test_without_prefix_caching_requests_neither_share_nor_wait():
     a, b = scheduler.schedule().sequences
     assert (b.request_id, b.num_computed_tokens, len(b.token_ids)) == ("b", 0, 22)
     assert not set(a.block_table) & set(b.block_table)
+
+
+def test_a_block_completed_by_a_single_token_is_not_shared_in_its_step():
+    scheduler = make_scheduler()
+    scheduler.add_request(request("w", list(range(1, 8)), max_tokens=1))  # block 0 + 3 tokens
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+    scheduler.add_request(request("a", list(range(1, 9))))  # completes block 1 with one token
+    scheduler.add_request(request("b", list(range(1, 10))))
+    first = scheduler.schedule()
+    # Sharing would make a step of one-token sequences only, which the fused decode path runs
+    # writing each sequence's slot as it attends: b waits for the block to commit instead.
+    assert [(s.request_id, len(s.token_ids)) for s in first.sequences] == [("a", 1)]
+    scheduler.update_from_output(first, {"a": 7})
+    b = next(s for s in scheduler.schedule().sequences if s.request_id == "b")
+    assert b.num_computed_tokens == 8
+
+
+def test_blocks_a_blend_computes_are_not_shared_in_its_step():
+    scheduler = make_scheduler()
+    shared = list(range(100, 120))
+    owner = request("blend", shared + [1, 2])
+    # The runner computes blends after the step's other sequences: a sharer would read first.
+    owner.blend = BlendSpec(context_len=20, chunk_ranges=[], chunk_requests=[],
+                            recompute_ratio=0.15, check_layer=1)
+    scheduler.add_request(owner)
+    scheduler.add_request(request("b", shared + [3, 4]))
+    assert [s.request_id for s in scheduler.schedule().sequences] == ["blend"]
 
 
 def test_request_waits_when_the_shared_blocks_are_not_all_computed_this_step():

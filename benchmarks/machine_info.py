@@ -1,7 +1,8 @@
-"""Which machine a benchmark ran on: CPU model and its widest vector instruction set.
+"""Which machine a benchmark ran on: CPU model, family and model number, its widest vector
+instruction set and its bf16 products.
 
-The model name alone is not enough here: the VM reports "AMD EPYC" for both an AVX-512 machine
-and an AVX2-only one, and the decode kernel's speed differs between them by 2x. Stdlib only, so
+The model name alone is not enough here: the VM reports "AMD EPYC" for an AVX2-only Zen 3, a
+Zen 4 and a Zen 5, and the same workload's speed differs between them by 2x. Stdlib only, so
 the peers' virtualenvs can import it.
 """
 

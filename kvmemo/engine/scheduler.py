@@ -141,8 +141,9 @@ class Scheduler:
                 i += 1
 
         # Then waiting requests, while budget, sequence slots and blocks last. No admission in a
-        # step that had to preempt: the pool is under pressure.
-        if not preempted:
+        # step that had to preempt: the pool is under pressure. (A step of decodes alone, the
+        # common case, skips the in-flight bookkeeping below.)
+        if not preempted and self.waiting:
             self._order_waiting(budget)
             in_flight = self._blocks_being_computed()
             computing: dict[BlockHash, Request] = {}

@@ -12,8 +12,12 @@ import os
 import sys
 from typing import Any
 
+from kvmemo.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+
+def _add_engine_flags(
+    parser: argparse.ArgumentParser, batched_tokens: int = EngineConfig.max_num_batched_tokens
+) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model", default=None,
@@ -54,8 +58,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "offsets and scales)",
     )
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048,
-        help="token budget per step (default: 2048)",
+        "--max-num-batched-tokens", type=int, default=batched_tokens,
+        help="token budget per step; longer prompts are prefilled in chunks of it (default: "
+        f"{batched_tokens})",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=64,
@@ -300,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --kv-events-format vllm: a ROUTER endpoint where subscribers replay missed "
         "batches, e.g. tcp://127.0.0.1:5558 (default: off)",
     )
-    _add_engine_flags(serve)
+    _add_engine_flags(serve, SERVING_MAX_NUM_BATCHED_TOKENS)
     ray_serve = sub.add_parser(
         "ray-serve",
         help="serve N engine replicas on Ray Serve behind one OpenAI-compatible endpoint, routed "
@@ -345,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix_affinity (Ray Serve LLM's PrefixCacheAffinityRouter) or pow2 (Ray's power of two "
         "choices) (default: kvmemo)",
     )
-    _add_engine_flags(ray_serve)
+    _add_engine_flags(ray_serve, SERVING_MAX_NUM_BATCHED_TOKENS)
     router = sub.add_parser(
         "router",
         help="route OpenAI requests to the replica holding the longest cached prefix "

@@ -177,7 +177,7 @@ class ModelRunner:
                 sampled = {seqs[i].request_id: SampledToken(t, None, None)
                            for i, t in zip(sampling, greedy)}
                 return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden).float()  # [N, vocab]
+        logits = self._logits(hidden, [seqs[i] for i in sampling])  # [N, vocab] fp32
         if self.capture_logits:
             self.last_logits = logits.clone()
         logprobs_rows: dict[str, torch.Tensor] = {}
@@ -194,6 +194,29 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled=sampled, logprobs_rows=logprobs_rows, prompt_logprobs=prompt_logprobs
         )
+
+    def _logits(self, hidden: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+        """Each row's fp32 logits: the model's sampling_logits for rows sampled at a temperature
+        that return no logprobs (the bf16 mode's bf16 head), compute_logits for the others.
+        Chosen per row, so a seeded request's tokens do not depend on its neighbours."""
+        sampling_logits = getattr(self.model, "sampling_logits", None)
+        if sampling_logits is None or self.capture_logits:
+            return self.model.compute_logits(hidden).float()
+        plain = [row for row, seq in enumerate(seqs) if _plain_sampled(seq)]
+        if not plain:
+            return self.model.compute_logits(hidden).float()
+        if len(plain) == len(seqs):
+            return sampling_logits(hidden).float()
+        exact = [row for row in range(len(seqs)) if row not in set(plain)]
+        plain_rows = torch.tensor(plain, device=hidden.device)
+        exact_rows = torch.tensor(exact, device=hidden.device)
+        first = sampling_logits(hidden.index_select(0, plain_rows)).float()
+        logits = first.new_empty(len(seqs), first.shape[1])
+        logits.index_copy_(0, plain_rows, first)
+        logits.index_copy_(
+            0, exact_rows, self.model.compute_logits(hidden.index_select(0, exact_rows)).float()
+        )
+        return logits
 
     def _greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """The argmax token of each row's fp32 logits through the model's greedy head (without
@@ -331,6 +354,12 @@ class ModelRunner:
             return backend.forward(layer, q, k, v, kv_cache, layer_metadata[layer])
 
         return attention
+
+
+def _plain_sampled(seq: ScheduledSequence) -> bool:
+    """The sequence draws its token at a temperature and reads no log-probabilities."""
+    params = seq.sampling_params
+    return not params.is_greedy and params.logprobs is None and not seq.return_logprobs_row
 
 
 def _plain_greedy(seq: ScheduledSequence) -> bool:

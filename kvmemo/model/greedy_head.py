@@ -106,6 +106,15 @@ class GreedyHead:
             return self._linear(x)
         return skinny_linear.linear(x, self._panels)
 
+    def bf16_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> fp32 logits [N, V] of the bf16 product (bf16 inputs and weights,
+        fp32 sums, never rounded to bf16 where the few-row GEMM runs): the head a bf16 engine
+        samples from, at half the fp32 head's weight bytes and twice its arithmetic rate."""
+        x = hidden.to(torch.bfloat16)
+        if self._panels is None:
+            return self.coarse(x).float()
+        return skinny_linear.linear(x, self._panels, out_dtype=torch.float32)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> int64 [N] token ids, -1 where the row needs the full head."""
         kernel = _kernel()

@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("kernels") / "skinny_linear.c"
 # ~1,000 rows, where x no longer stays in L2 across a weight's panels, oneDNN is ahead.
 MAX_ROWS = 128
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+BF16_IN_FP32_OUT = 2
 
 
 @cache
@@ -96,8 +97,15 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     return plain[: packed.out_features, : packed.in_features].contiguous()
 
 
-def linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """x [M, K] @ W^T (+ the packed bias) -> [M, N] in x's dtype."""
+def linear(
+    x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ the packed bias) -> [M, N] in x's dtype, or in fp32 for bf16 x with
+    out_dtype=torch.float32 (the fp32 sums, never rounded to bf16)."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype != x.dtype and (x.dtype, out_dtype) != (torch.bfloat16, torch.float32):
+        raise ValueError(f"linear writes x's dtype, or fp32 for bf16 x; got {x.dtype} x and "
+                         f"out_dtype {out_dtype}")
     library = _library()
     if (
         library is None
@@ -110,14 +118,16 @@ def linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         # The kernel has no backward: leave products autograd needs to F.linear.
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
+        if out_dtype != x.dtype:  # bf16 values, their products summed in fp32
+            return F.linear(x.float(), unpack(packed).float(), packed.bias)
         bias = None if packed.bias is None else packed.bias.to(packed.dtype)
         return F.linear(x, unpack(packed), bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], packed.out_features, dtype=x.dtype)
+    out = torch.empty(x.shape[0], packed.out_features, dtype=out_dtype)
     bias_ptr = None if packed.bias is None else packed.bias.data_ptr()
     library.kvmemo_skinny_linear(
         x.data_ptr(), x.stride(0), packed.panels.data_ptr(), bias_ptr, out.data_ptr(),
         packed.out_features, x.shape[0], packed.out_features, packed.in_features,
-        DTYPE_CODES[x.dtype])
+        DTYPE_CODES[x.dtype] if out_dtype == x.dtype else BF16_IN_FP32_OUT)
     return out

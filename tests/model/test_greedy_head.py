@@ -103,3 +103,43 @@ def test_bundled_model_tokens_with_and_without_the_greedy_head(dtype: str) -> No
     finally:
         model.greedy_head = head
     assert with_head == without
+
+
+@needs_head
+def test_bf16_logits_are_the_fp32_sums_of_the_bf16_products() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(4099, 576, generator=gen) * 0.05
+    hidden = torch.randn(64, 576, generator=gen)
+    got = GreedyHead(weight).bf16_logits(hidden)
+    assert got.dtype == torch.float32 and got.shape == (64, 4099)
+    want = F.linear(hidden.bfloat16().float(), weight.bfloat16().float())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_head
+@pytest.mark.model
+def test_sampled_rows_read_the_bf16_head_only_in_the_bf16_mode() -> None:
+    """bf16 mode: a sampled row's logits are the bf16 product's (not the fp32 head's), whatever
+    its neighbours ask; rows returning logprobs and the fp32 mode keep the fp32 head."""
+    hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
+    bf16 = LLM(dtype="bfloat16", num_blocks=64).engine.runner.model
+    weight = bf16.lm_head.weight.detach()
+    assert weight.dtype == torch.float32  # the head's weight stays fp32 in the bf16 mode
+    want = F.linear(hidden.bfloat16().float(), weight.bfloat16().float())
+    torch.testing.assert_close(bf16.sampling_logits(hidden), want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(bf16.sampling_logits(hidden), bf16.compute_logits(hidden))
+    fp32 = LLM(dtype="float32", num_blocks=64).engine.runner.model
+    assert torch.equal(fp32.sampling_logits(hidden), fp32.compute_logits(hidden))
+
+
+@needs_head
+@pytest.mark.model
+def test_a_seeded_sample_does_not_depend_on_a_logprobs_neighbour() -> None:
+    llm = LLM(dtype="bfloat16", num_blocks=128, enable_prefix_caching=False)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    neighbour = SamplingParams(max_tokens=16, temperature=1.0, logprobs=2, seed=1, ignore_eos=True)
+    both = llm.generate(["Once upon a time", "The capital of France is"], [seeded, neighbour],
+                        use_tqdm=False)
+    assert both[0].outputs[0].token_ids == alone
+    assert both[1].outputs[0].logprobs  # the neighbour's row took the fp32 head's logprobs

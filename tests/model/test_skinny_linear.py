@@ -79,6 +79,29 @@ def test_bf16_rounds_once_from_fp32_sums(kernel_calls):
     assert torch.equal(got.float(), torch.full((2, 3), exact).bfloat16().float())
 
 
+@pytest.mark.parametrize("rows", [1, 13, 32, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_products_with_fp32_output(kernel_calls, rows, with_bias):
+    """out_dtype=fp32 keeps the fp32 sums of the bf16 products: equal to fp32 F.linear of the
+    same bf16 values to fp32 summation order, far inside one bf16 rounding of the output."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 577).bfloat16()  # odd K: the pair tail
+    weight = torch.randn(1000, 577).bfloat16()
+    bias = torch.randn(1000) if with_bias else None
+    got = linear(x, pack(weight, bias), out_dtype=torch.float32)
+    assert kernel_calls == [(rows, 1000, 577, skinny_linear.BF16_IN_FP32_OUT)]
+    assert got.dtype == torch.float32
+    want = reference(x, weight, bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    rounded = linear(x, pack(weight, bias)).float()  # the bf16 output rounds: visibly further
+    assert (got - want).abs().max() < (rounded - want).abs().max() / 20
+
+
+def test_fp32_output_needs_bf16_input(kernel_calls):
+    with pytest.raises(ValueError, match="fp32 for bf16 x"):
+        linear(torch.randn(2, 8), pack(torch.randn(4, 8)), out_dtype=torch.bfloat16)
+
+
 def test_strided_rows_and_weight_views(kernel_calls):
     """The MLP's gate/up halves are row views of one weight; x may arrive with a row stride."""
     weight = torch.randn(2 * 48, 64)

@@ -143,10 +143,12 @@ static inline __attribute__((always_inline)) void tile_bf16(
 #endif
 
 /* y[M, N] (ldy elements apart) = x[M, K] (ldx apart) . W^T + bias (fp32 [N] or NULL); W as
- * packed by skinny_linear.pack. dtype 0: fp32 x/W/y; 1: bf16 x/W/y (fp32 accumulation). */
+ * packed by skinny_linear.pack. dtype 0: fp32 x/W/y; 1: bf16 x/W/y (fp32 accumulation); 2: bf16
+ * x/W, fp32 y (the sums never rounded to bf16). */
 void kvmemo_skinny_linear(const void *x, int64_t ldx, const void *packed, const float *bias,
                           void *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int dtype) {
-    const int bf16 = dtype == 1;
+    const int bf16 = dtype == 1 || dtype == 2;
+    const int out_f32 = dtype != 1;
     const int64_t panels = (N + NC - 1) / NC;
     const int64_t steps = bf16 ? (K + 1) / 2 : K;           /* k iterations per tile */
     const int64_t panel_elems = steps * NC * (bf16 ? 2 : 1);  /* per panel, in x's element */
@@ -169,7 +171,10 @@ void kvmemo_skinny_linear(const void *x, int64_t ldx, const void *packed, const 
                 const uint16_t *xs = (const uint16_t *)x + m0 * ldx;
                 const uint16_t *panel = (const uint16_t *)packed + p * panel_elems;
                 TILE_SWITCH(tile_bf16, xs, ldx, panel, K)
-                store_tile(acc, rows, cols, bias ? bias + p * NC : 0, (uint16_t *)y + m0 * ldy + p * NC, ldy, 1);
+                if (out_f32)
+                    store_tile(acc, rows, cols, bias ? bias + p * NC : 0, (float *)y + m0 * ldy + p * NC, ldy, 0);
+                else
+                    store_tile(acc, rows, cols, bias ? bias + p * NC : 0, (uint16_t *)y + m0 * ldy + p * NC, ldy, 1);
             } else {
                 const float *xs = (const float *)x + m0 * ldx;
                 const float *panel = (const float *)packed + p * panel_elems;

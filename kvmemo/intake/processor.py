@@ -101,17 +101,19 @@ class InputProcessor:
         add_special_tokens: bool = True,
         kv_reuse: Any = None,
         recompute_ratio: Any = None,
+        token_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
         """Tokenize `prompt`; with images, each image marker (e.g. "<image>") becomes the image's
         placeholder tokens. A token-id prompt marks images with the image token id, unexpanded.
         add_special_tokens: the tokenizer's own (a BOS, for models that use one) on a text.
         A text holding the blend separator becomes segments (kv_reuse, recompute_ratio:
-        theirs)."""
+        theirs). token_ids: the text's encoding by encode_texts, when a caller batched it."""
         if isinstance(prompt, str) and self.blend_separator and not images:
             pieces = split_at_separator(prompt, self.blend_separator)
             if pieces is not None and len(pieces) >= 2:
                 return self.process_segments(pieces, kv_reuse, recompute_ratio)
-        token_ids = self.encode_prompt(prompt, add_special_tokens)
+        if token_ids is None or not isinstance(prompt, str):
+            token_ids = self.encode_prompt(prompt, add_special_tokens)
         text = prompt if isinstance(prompt, str) else None
         return self._expand_images(token_ids, list(images or ()), text)
 
@@ -278,6 +280,13 @@ class InputProcessor:
             data.append(pixels)
             expanded.extend([spec.image_token_id] * spec.num_image_tokens)
         return ProcessedPrompt(expanded, text, items, data)
+
+    def encode_texts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Each non-empty text's token ids, as encode_prompt gives them, in one tokenizer call."""
+        if any(not isinstance(t, str) or not t for t in texts):
+            raise InputError("prompt", _PROMPT_FORMS)
+        encoded = self.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        return [list(ids) for ids in encoded]
 
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):

@@ -49,6 +49,18 @@ def test_empty_and_too_long_prompts(llm):
 
 
 @pytest.mark.model
+def test_a_batch_of_texts_encodes_as_each_text_alone(llm):
+    processor = llm.engine.processor
+    texts = ["Hello, world!", "  leading spaces", "<|im_start|>user\nhi<|im_end|>", "naïve café 🙂",
+             "x" * 3000]
+    for special in (True, False):
+        assert processor.encode_texts(texts, add_special_tokens=special) == [
+            processor.encode_prompt(t, add_special_tokens=special) for t in texts]
+    with pytest.raises(ValueError, match="prompt must be a non-empty"):
+        processor.encode_texts(["fine", ""])
+
+
+@pytest.mark.model
 def test_cli_prints_clear_error_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "kvmemo.cli", "generate", "Hi", "--temperature", "-1"],

@@ -4,6 +4,7 @@ failing step. No model, no HTTP: runs in a fraction of a second."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,13 +21,21 @@ from kvmemo.sampling import SamplingParams
 class _Processor:
     chat_template = None
 
+    def __init__(self):
+        self.batches: list[list[str]] = []  # encode_texts calls
+
     # InputProcessor's signatures; segments and documents (chunk KV reuse) are not exercised here.
-    def process(self, prompt, add_special_tokens=True, kv_reuse=None, recompute_ratio=None):
+    def process(self, prompt, add_special_tokens=True, kv_reuse=None, recompute_ratio=None,
+                token_ids=None):
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
-            return ProcessedPrompt([ord(c) for c in prompt], prompt)
+            return ProcessedPrompt(token_ids or [ord(c) for c in prompt], prompt)
         return ProcessedPrompt(list(prompt))
+
+    def encode_texts(self, texts, add_special_tokens=True):
+        self.batches.append(list(texts))
+        return [[ord(c) + 1000 for c in t] for t in texts]  # marked: from the batch call
 
     def process_chat(self, messages, options=None, cache_salt=None, documents=None,
                      kv_reuse=None, recompute_ratio=None):
@@ -137,6 +146,36 @@ def test_concurrent_requests_and_n_samples():
         engine.shutdown()
     assert a == {0: "xxx"}
     assert b == {0: "xx", 1: "xx", 2: "xx"}
+
+
+def test_a_burst_of_text_prompts_is_tokenized_in_one_call():
+    """Adds that reach the engine thread together encode in one batch; a lone add and chat
+    messages encode on their own."""
+    fake = FakeEngine()
+    engine = AsyncEngine(fake, start_thread=False)
+    texts = ["ab", "cde", "f"]
+
+    async def main():
+        adds = [asyncio.create_task(engine.add_request(SamplingParams(max_tokens=1), prompt=t))
+                for t in texts]
+        chat = asyncio.create_task(engine.add_request(
+            SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "hi"}]))
+        await asyncio.sleep(0.05)  # every add is queued before the engine thread starts
+        threading.Thread(target=engine.run, daemon=True).start()
+        streams = await asyncio.gather(*adds, chat)
+        await asyncio.gather(*(_collect(s) for s in streams))
+        lone = await engine.add_request(SamplingParams(max_tokens=1), prompt="zz")
+        await _collect(lone)
+        return streams, lone
+
+    try:
+        streams, lone = _run(main())
+    finally:
+        engine.shutdown()
+    assert fake.processor.batches == [texts]
+    assert [s.prompt_token_ids for s in streams[:3]] == [[ord(c) + 1000 for c in t] for t in texts]
+    assert streams[3].prompt_token_ids == [ord("h"), ord("i")]
+    assert lone.prompt_token_ids == [ord("z")] * 2
 
 
 def test_chat_without_max_tokens_fills_the_context():

@@ -90,6 +90,26 @@ there on, so it is shown for reference: bf16 KV, 16x fp8's precision, does not r
 """
 
 
+def sampling_head_section(r: dict) -> str:
+    rows = [("bf16 mode: bf16 head against fp32 head", r["bf16_head_vs_fp32_head"]),
+            ("fp32 mode against bf16 mode, fp32 head", r["fp32_mode_vs_bf16_mode_fp32_head"]),
+            ("fp32 mode against bf16 mode, bf16 head", r["fp32_mode_vs_bf16_mode_bf16_head"])]
+    table = "\n".join(f"| {label} | {d['tv_mean'] * 100:.2f}% | {d['tv_max'] * 100:.2f}% | "
+                      f"{d['kl_mean']:.1e} |" for label, d in rows)
+    return f"""## The bf16 mode's sampling head (`python -m benchmarks.micro.bench_sampling_head`)
+
+In the bf16 mode, rows sampled at a temperature (no logprobs) draw from the head's bf16 product
+with fp32 sums; greedy tokens and logprobs keep the fp32 head. Next-token distributions at
+temperature 1 over {r['positions']} teacher-forced positions (the fp8 benchmark's prompts and the
+fp32 mode's greedy continuations); {r['date']}. Total variation is the share of draws that differ
+under the best coupling of the two distributions.
+
+| distributions | total variation, mean | max | KL, mean |
+|---|---|---|---|
+{table}
+"""
+
+
 def multimodal_section(r: dict) -> str:
     m, c, h = r["machine"], r["config"], r["hashing"]
 
@@ -345,6 +365,7 @@ SECTIONS = (
     ("core.json", core_section),
     ("attention.json", attention_section),
     ("fp8_kv.json", fp8_section),
+    ("sampling_head.json", sampling_head_section),
     ("beam_search.json", beam_search_section),
     ("multimodal.json", multimodal_section),
     ("router.json", router_section),

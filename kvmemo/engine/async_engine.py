@@ -307,8 +307,18 @@ class AsyncEngine:
         every core, at about half the time of one call per prompt: 63 random-token prompts of
         1,056 tokens took ~90 ms against ~190, Zen 4), so the burst's first step starts
         sooner. A prompt the batch cannot encode is left to its own add, which reports it."""
-        texts = [c for c in commands if isinstance(c, _Add) and isinstance(c.prompt, str)
-                 and c.prompt and c.messages is None and c.segments is None]
+        separator = self.engine.processor.blend_separator
+        waiting = self.engine.num_waiting
+        texts = []
+        for c in commands:
+            if not isinstance(c, _Add):
+                continue
+            if waiting + c.params.n > self.max_waiting:
+                continue  # _add turns it away (503) before any tokenizing: keep that cheap
+            waiting += c.params.n
+            if (isinstance(c.prompt, str) and c.prompt and c.messages is None
+                    and c.segments is None and not (separator and separator in c.prompt)):
+                texts.append(c)  # (a blend separator makes segments: encoded piece by piece)
         for special in (True, False):
             batch = [c for c in texts if c.add_special_tokens is special]
             if len(batch) < 2:

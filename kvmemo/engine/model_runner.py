@@ -199,15 +199,17 @@ class ModelRunner:
         """Each row's fp32 logits: the model's sampling_logits for rows sampled at a temperature
         that return no logprobs (the bf16 mode's bf16 head), compute_logits for the others.
         Chosen per row, so a seeded request's tokens do not depend on its neighbours."""
-        sampling_logits = getattr(self.model, "sampling_logits", None)
-        if sampling_logits is None or self.capture_logits:
+        # Only a model whose sampling head differs splits the rows (else one head product).
+        if self.capture_logits or not getattr(self.model, "has_sampling_head", False):
             return self.model.compute_logits(hidden).float()
+        sampling_logits = self.model.sampling_logits
         plain = [row for row, seq in enumerate(seqs) if _plain_sampled(seq)]
         if not plain:
             return self.model.compute_logits(hidden).float()
         if len(plain) == len(seqs):
             return sampling_logits(hidden).float()
-        exact = [row for row in range(len(seqs)) if row not in set(plain)]
+        plain_set = set(plain)
+        exact = [row for row in range(len(seqs)) if row not in plain_set]
         plain_rows = torch.tensor(plain, device=hidden.device)
         exact_rows = torch.tensor(exact, device=hidden.device)
         first = sampling_logits(hidden.index_select(0, plain_rows)).float()
@@ -357,9 +359,11 @@ class ModelRunner:
 
 
 def _plain_sampled(seq: ScheduledSequence) -> bool:
-    """The sequence draws its token at a temperature and reads no log-probabilities."""
+    """The sequence draws its token at a temperature (not a top-1 cut, which is greedy) and
+    reads no log-probabilities."""
     params = seq.sampling_params
-    return not params.is_greedy and params.logprobs is None and not seq.return_logprobs_row
+    return (not params.is_greedy and params.top_k != 1 and params.logprobs is None
+            and not seq.return_logprobs_row)
 
 
 def _plain_greedy(seq: ScheduledSequence) -> bool:

@@ -374,15 +374,23 @@ class LlamaForCausalLM(nn.Module):
         self._require_linears()
         return self.head(hidden).float()
 
+    @property
+    def has_sampling_head(self) -> bool:
+        """sampling_logits reads another head than compute_logits: the bf16 mode with the greedy
+        head's bf16 copy (dense weights on a CPU with bf16 products)."""
+        return self.greedy_head is not None and self.compute_dtype == torch.bfloat16
+
+    @torch.inference_mode()
     def sampling_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab] for rows sampled at a temperature (no
-        logprobs returned). In the bf16 mode they come from the head's bf16 product (fp32 sums),
-        as a bf16 engine's head computes them, not from the fp32 head the exact argmax and
-        logprobs use: the fp32 head cost a served 64-row decode step 10 ms of its ~94 (Zen 4).
-        Elsewhere compute_logits."""
+        logprobs returned). Where has_sampling_head, they come from the head's bf16 product
+        (fp32 sums), as a bf16 engine's head computes them, not from the fp32 head the exact
+        argmax and logprobs use: the fp32 head cost a served 64-row decode step 10 ms of its
+        ~94 (Zen 4). Elsewhere compute_logits."""
         self._require_linears()
-        if self.greedy_head is None or self.compute_dtype != torch.bfloat16:
+        if not self.has_sampling_head:
             return self.compute_logits(hidden)
+        assert self.greedy_head is not None
         return self.greedy_head.bf16_logits(hidden)
 
     @torch.inference_mode()

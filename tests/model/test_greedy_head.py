@@ -119,8 +119,8 @@ def test_bf16_logits_are_the_fp32_sums_of_the_bf16_products() -> None:
 @needs_head
 @pytest.mark.model
 def test_sampled_rows_read_the_bf16_head_only_in_the_bf16_mode() -> None:
-    """bf16 mode: a sampled row's logits are the bf16 product's (not the fp32 head's), whatever
-    its neighbours ask; rows returning logprobs and the fp32 mode keep the fp32 head."""
+    """bf16 mode: sampling_logits is the bf16 product of the fp32 head weight (not the fp32
+    head); the fp32 mode has no other head. (Which rows read it: test_sampling_head_rows.py.)"""
     hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
     bf16 = LLM(dtype="bfloat16", num_blocks=64).engine.runner.model
     weight = bf16.lm_head.weight.detach()
@@ -142,4 +142,4 @@ def test_a_seeded_sample_does_not_depend_on_a_logprobs_neighbour() -> None:
     both = llm.generate(["Once upon a time", "The capital of France is"], [seeded, neighbour],
                         use_tqdm=False)
     assert both[0].outputs[0].token_ids == alone
-    assert both[1].outputs[0].logprobs  # the neighbour's row took the fp32 head's logprobs
+    assert both[1].outputs[0].logprobs  # the neighbour did ask for logprobs

@@ -20,9 +20,11 @@ from kvmemo.sampling import SamplingParams
 
 class _Processor:
     chat_template = None
+    blend_separator = None
 
     def __init__(self):
         self.batches: list[list[str]] = []  # encode_texts calls
+        self.batch_error: Exception | None = None  # what encode_texts raises, if set
 
     # InputProcessor's signatures; segments and documents (chunk KV reuse) are not exercised here.
     def process(self, prompt, add_special_tokens=True, kv_reuse=None, recompute_ratio=None,
@@ -35,6 +37,8 @@ class _Processor:
 
     def encode_texts(self, texts, add_special_tokens=True):
         self.batches.append(list(texts))
+        if self.batch_error is not None:
+            raise self.batch_error
         return [[ord(c) + 1000 for c in t] for t in texts]  # marked: from the batch call
 
     def process_chat(self, messages, options=None, cache_salt=None, documents=None,
@@ -176,6 +180,38 @@ def test_a_burst_of_text_prompts_is_tokenized_in_one_call():
     assert [s.prompt_token_ids for s in streams[:3]] == [[ord(c) + 1000 for c in t] for t in texts]
     assert streams[3].prompt_token_ids == [ord("h"), ord("i")]
     assert lone.prompt_token_ids == [ord("z")] * 2
+
+
+def _burst(engine: AsyncEngine, texts: list[str]) -> list:
+    """Adds queued before the engine thread starts (one burst); each result or its error."""
+
+    async def main():
+        adds = [asyncio.create_task(engine.add_request(SamplingParams(max_tokens=1), prompt=t))
+                for t in texts]
+        await asyncio.sleep(0.05)
+        threading.Thread(target=engine.run, daemon=True).start()
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        await asyncio.gather(*(_collect(r) for r in results if not isinstance(r, Exception)))
+        return results
+
+    try:
+        return _run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_a_full_queue_turns_a_burst_away_before_tokenizing_it():
+    fake = FakeEngine()
+    results = _burst(AsyncEngine(fake, max_waiting=2, start_thread=False), ["a", "b", "c", "d"])
+    assert fake.processor.batches == [["a", "b"]]  # only the adds that are admitted
+    assert [isinstance(r, QueueFullError) for r in results] == [False, False, True, True]
+
+
+def test_a_failed_batch_leaves_each_prompt_to_its_own_add():
+    fake = FakeEngine()
+    fake.processor.batch_error = ValueError("the tokenizer refused the batch")
+    results = _burst(AsyncEngine(fake, start_thread=False), ["ab", "c"])
+    assert [r.prompt_token_ids for r in results] == [[ord("a"), ord("b")], [ord("c")]]
 
 
 def test_chat_without_max_tokens_fills_the_context():

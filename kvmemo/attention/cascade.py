@@ -331,7 +331,14 @@ def _batched_prefill_suffix(
     row = torch.arange(max_q)
     in_chunk = row[None, :] < query_lens[:, None]  # [B, max_q]
     rows = (starts[:, None] + row[None, :]).masked_fill(~in_chunk, 0)  # [B, max_q]
-    qp = q.index_select(0, rows.reshape(-1).to(q.device))
+    # Chunks of one length, one after another in the batch (a burst of prompts on one prefix):
+    # no padding, so their rows are one slice of q and of out, read and written in place.
+    first = int(starts[0])
+    unpadded = bool(in_chunk.all()) and int(starts[-1]) == first + (batch - 1) * max_q
+    if unpadded:
+        qp = q[first : first + batch * max_q]
+    else:
+        qp = q.index_select(0, rows.reshape(-1).to(q.device))
     qp = qp.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(batch, num_kv_heads, group * max_q, head_dim)
     last_key = (suffix_lens - query_lens)[:, None] + row[None, :]  # [B, max_q]
@@ -339,6 +346,11 @@ def _batched_prefill_suffix(
     o, lse_p = attention_with_lse_upto(qp, k, v, last_key, scale)  # [B, Hkv, G*max_q, D], [..]
     o = o.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     lse_p = lse_p.view(batch, num_kv_heads, group, max_q).permute(0, 3, 1, 2)
+    if unpadded:
+        span = slice(first, first + batch * max_q)
+        out[span].view(batch, max_q, num_kv_heads, group, head_dim).copy_(o)
+        lse[span].view(batch, max_q, num_kv_heads, group).copy_(lse_p)
+        return
     keep = in_chunk.reshape(-1).to(q.device)
     dest = rows.reshape(-1)[in_chunk.reshape(-1)].to(q.device)
     out[dest] = o.reshape(batch * max_q, num_heads, head_dim)[keep].to(out.dtype)

@@ -155,6 +155,8 @@ def test_cascade_matches_reference_on_random_shared_prefix_batches(any_prefix, g
     "computed_own,new,batched",
     [
         ([0] * 6, [32] * 6, True),  # W1's second step: equal chunks over the prefix, one call
+        ([0] * 4, [1, 1, 12, 12], True),  # a served step: decodes, then equal chunks (in place)
+        ([0] * 3, [12, 1, 12], True),  # equal chunks a decode apart: gathered and scattered
         ([0, 3, 1, 2], [6, 9, 7, 8], True),  # ragged chunks, some own tokens already cached
         ([0, 0, 5], [1, 12, 11], True),  # a decode beside two chunks: batched chunks + decode
         ([0, 0, 0], [2, 2, 90], False),  # padding would triple the scores: one call each

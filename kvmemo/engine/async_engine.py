@@ -307,6 +307,8 @@ class AsyncEngine:
         every core, at about half the time of one call per prompt: 63 random-token prompts of
         1,056 tokens took ~90 ms against ~190, Zen 4), so the burst's first step starts
         sooner. A prompt the batch cannot encode is left to its own add, which reports it."""
+        if not commands:  # the engine loop's usual pass: nothing arrived since the last step
+            return
         separator = self.engine.processor.blend_separator
         waiting = self.engine.num_waiting
         texts = []

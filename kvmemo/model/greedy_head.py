@@ -15,6 +15,8 @@ per sequence. Costs a bf16 copy of the head (57 MB for SmolLM2). CPU only, where
 product runs in hardware (avx512_bf16 or AMX; the few-row GEMM of skinny_linear.py, else
 oneDNN), and only where the head's plain fp32 weight is held (tied to the embedding table, or
 not released after packing).
+The same bf16 copy gives the bf16 mode's temperature-sampled rows their logits (bf16_logits):
+an approximation there, as in any bf16 engine, not the exact argmax above.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def linear(
         # The kernel has no backward: leave products autograd needs to F.linear.
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
-        if out_dtype != x.dtype:  # bf16 values, their products summed in fp32
+        if out_dtype != x.dtype:  # x's bf16 values times the packed weight, summed in fp32
             return F.linear(x.float(), unpack(packed).float(), packed.bias)
         bias = None if packed.bias is None else packed.bias.to(packed.dtype)
         return F.linear(x, unpack(packed), bias)

@@ -5,8 +5,10 @@ engine's own kernels reach on this machine, per dtype (issue 15's goal: wall at 
 
 FLOPs: every token the decoder layers compute (prompt tokens the prefix cache did not serve,
 and each decode step's token) costs 2 x the layer weights' elements, and every sampled row
-2 x the lm_head's. Attention's FLOPs (q.k and p.v of each query over its keys) are counted
-apart: they are not in the floor, and the wall pays for them. The GEMM rate is measured in the
+2 x the lm_head's. Attention's FLOPs (q.k and p.v of each query over its keys, up to the query:
+causal) are counted apart. Two floors come of them: the linear floor (the linear FLOPs only;
+the wall pays for attention on top) and the step floor (all of the steps' FLOPs, linear and
+attention, at the same GEMM rate: the issue's "step's FLOPs over the best GEMM rate"). The GEMM rate is measured in the
 same process, after the engine has bound its kernels: each of layer 0's projections (and the
 head) through the engine's own Linear, at 32 rows (a decode step's shape) and 1,024 rows
 (prefill), best of 10 calls each; the best rate of all is the floor's rate. W1 then runs in the
@@ -121,6 +123,7 @@ def main() -> int:
             walls.append(wall)
         flops = count_flops(requests, model, arch)
         floor = flops["linear"] / (best * 1e9)
+        step_floor = (flops["linear"] + flops["attention"]) / (best * 1e9)
         wall = statistics.median(walls)
         result["dtypes"][name] = {
             "walls_s": [round(w, 3) for w in walls], "wall_s": round(wall, 3),
@@ -130,6 +133,8 @@ def main() -> int:
             "linear_gflop": round(flops["linear"] / 1e9, 1),
             "attention_gflop": round(flops["attention"] / 1e9, 1),
             "floor_s": round(floor, 3), "wall_over_floor": round(wall / floor, 2),
+            "step_floor_s": round(step_floor, 3),
+            "wall_over_step_floor": round(wall / step_floor, 2),
         }
         print(name, json.dumps(result["dtypes"][name]), flush=True)
         del engine, model

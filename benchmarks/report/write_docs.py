@@ -280,22 +280,26 @@ def footprint_section(r: dict) -> str:
 
 
 def floor_section(r: dict) -> str:
-    """W1's wall against its matmul floor (linear FLOPs over the best GEMM rate measured)."""
+    """W1's wall against its matmul floors (FLOPs over the best GEMM rate measured)."""
     lines = [
         "## W1 against its matmul floor (`python -m benchmarks.micro.bench_floor`)\n",
-        f"{r['date']}, {r['cpu']}, torch {r['torch']}, {r['threads']} threads. Floor: W1's "
-        "linear-layer FLOPs (2 x weights per computed row, the head per sampled row) over the "
-        "best GEMM rate the engine's own bound kernels reach in the same process (layer 0's "
-        "projections and the head at 32 and 1,024 rows). Attention's FLOPs are not in the "
-        "floor; the wall pays for them. Median wall of the runs after a warm-up.\n",
-        "| dtype | wall s | best GEMM GFLOP/s | linear GFLOP | attention GFLOP | floor s "
-        "| wall / floor |",
-        "|---|---|---|---|---|---|---|",
+        f"{r['date']}, {r['cpu']}, torch {r['torch']}, {r['threads']} threads. Best GEMM rate: "
+        "what the engine's own bound kernels reach in the same process (layer 0's projections "
+        "and the head at 32 and 1,024 rows). Linear floor: W1's linear-layer FLOPs (2 x weights "
+        "per computed row, the head per sampled row) at that rate; the wall pays for attention "
+        "on top. Step floor: all of the steps' FLOPs, linear and attention (q.k and p.v of each "
+        "query over its causal keys), at the same rate. Median wall of the runs after a "
+        "warm-up.\n",
+        "| dtype | wall s | best GEMM GFLOP/s | linear GFLOP | attention GFLOP | linear floor s "
+        "| wall / linear floor | step floor s | wall / step floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype, row in r["dtypes"].items():
+        step = (f"{row['step_floor_s']:.2f} | {row['wall_over_step_floor']:.2f}x"
+                if "step_floor_s" in row else "- | -")
         lines.append(f"| {dtype} | {row['wall_s']:.2f} | {row['best_gemm_gflops']:.0f} | "
                      f"{row['linear_gflop']:.0f} | {row['attention_gflop']:.0f} | "
-                     f"{row['floor_s']:.2f} | {row['wall_over_floor']:.2f}x |")
+                     f"{row['floor_s']:.2f} | {row['wall_over_floor']:.2f}x | {step} |")
     return "\n".join(lines) + "\n"
 
 

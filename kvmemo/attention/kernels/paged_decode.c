@@ -126,26 +126,75 @@ static inline vf sum_lanes(vf *x) {
 }
 
 /* s[g * TILE + t] = q_g . K_t for t < n <= TILE. One head and VL keys at a time, so only VL
- * partial sums are live (they fit the register file); K rows are re-read per head from L1. */
+ * partial sums are live (they fit the register file); K rows are re-read per head from L1. A run
+ * of VL keys inside the tile (every run of a full page's tile) is unrolled with q_g's chunks
+ * held in registers: written as a loop with a per-key bound check, gcc kept the partial sums on
+ * the stack and reloaded q for every key (a third of the kernel's time in W1's decode steps). */
 static inline __attribute__((always_inline)) void vec_scores(
     const float *restrict qs, const float *restrict K, int64_t n, int G, const int C, float *restrict s) {
     for (int64_t t0 = 0; t0 < n; t0 += VL) {
         for (int g = 0; g < G; g++) {
             const float *q = qs + g * C * VL;
             vf partial[VL];
-            for (int64_t i = 0; i < VL; i++) {
-                const float *k = K + (t0 + i) * C * VL;
-                vf a = (vf){0};
-                if (t0 + i < n) /* never read past the tile: its page may end there */
-                    for (int c = 0; c < C; c++) a += loadv(q + c * VL) * loadv(k + c * VL);
-                partial[i] = a;
+            if (t0 + VL <= n) {
+                vf qv[MAX_CHUNKS];
+                for (int c = 0; c < C; c++) qv[c] = loadv(q + c * VL);
+#pragma GCC unroll 16
+                for (int i = 0; i < VL; i++) {
+                    const float *k = K + (t0 + i) * C * VL;
+                    vf a = (vf){0};
+                    for (int c = 0; c < C; c++) a += qv[c] * loadv(k + c * VL);
+                    partial[i] = a;
+                }
+            } else {
+                for (int64_t i = 0; i < VL; i++) {
+                    const float *k = K + (t0 + i) * C * VL;
+                    vf a = (vf){0};
+                    if (t0 + i < n) /* never read past the tile: its page may end there */
+                        for (int c = 0; c < C; c++) a += loadv(q + c * VL) * loadv(k + c * VL);
+                    partial[i] = a;
+                }
             }
             storev(s + g * TILE + t0, sum_lanes(partial));
         }
     }
 }
 
+/* The upper 8 lanes' indices of a within-8-lanes shuffle, present only in 16-lane builds. */
+#if VL == 16
+#define HALF_TAIL(...) , __VA_ARGS__
+#else
+#define HALF_TAIL(...)
+#endif
+
 static inline vf selectv(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
+
+/* The max and the sum of x's lanes, by halving (log2 VL shuffles): the scalar loops they
+ * replace extracted every lane of every tile's scores. */
+static inline float max_lanes(vf x) {
+    vf y;
+#if VL == 16
+    y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = selectv(y > x, y, x);
+#endif
+    y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3 HALF_TAIL(12, 13, 14, 15, 8, 9, 10, 11));
+    x = selectv(y > x, y, x);
+    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5 HALF_TAIL(10, 11, 8, 9, 14, 15, 12, 13));
+    x = selectv(y > x, y, x);
+    y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6 HALF_TAIL(9, 8, 11, 10, 13, 12, 15, 14));
+    x = selectv(y > x, y, x);
+    return x[0];
+}
+
+static inline float add_lanes(vf x) {
+#if VL == 16
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3 HALF_TAIL(12, 13, 14, 15, 8, 9, 10, 11));
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5 HALF_TAIL(10, 11, 8, 9, 14, 15, 12, 13));
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6 HALF_TAIL(9, 8, 11, 10, 13, 12, 15, 14));
+    return x[0];
+}
 
 /* exp2_nonpositive on VL lanes (written with vector types: gcc kept the scalar loop scalar). */
 static inline vf exp2_vec(vf x) {
@@ -160,20 +209,19 @@ static inline vf exp2_vec(vf x) {
 static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) {
     vi lane;
     for (int i = 0; i < VL; i++) lane[i] = i;
-    vf x[TILE / VL];
-    float tile_max = *m;
+    vf x[TILE / VL], maxes = (vf){0} + *m;
     for (int j = 0; j < TILE / VL; j++) {
         x[j] = selectv(lane + j * VL < (int32_t)n, loadv(s + j * VL), (vf){0} - INFINITY);
-        for (int i = 0; i < VL; i++) tile_max = x[j][i] > tile_max ? x[j][i] : tile_max;
+        maxes = selectv(x[j] > maxes, x[j], maxes);
     }
+    const float tile_max = max_lanes(maxes);
     vf sums = (vf){0};
     for (int j = 0; j < TILE / VL; j++) {
         vf p = (vf)((vi)exp2_vec(x[j] - tile_max) & (lane + j * VL < (int32_t)n));
         sums += p;
         storev(s + j * VL, p);
     }
-    float sum = 0.0f;
-    for (int i = 0; i < VL; i++) sum += sums[i];
+    const float sum = add_lanes(sums);
     float alpha = exp2f(*m - tile_max); /* *m = -inf on the first tile: alpha = 0 */
     *l = *l * alpha + sum;
     *m = tile_max;

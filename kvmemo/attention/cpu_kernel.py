@@ -82,6 +82,8 @@ class DecodeKernel:
             first_block, lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
             num_blocks, scale, out.data_ptr(), None if lse is None else lse.data_ptr(),
         )
+        if status == 3:
+            raise MemoryError("decode kernel: no memory for the split keys' partial results")
         if status != 0:
             raise ValueError(
                 f"decode kernel cannot run head_dim {head_dim} with {num_heads} q / {num_kv_heads} "
@@ -123,6 +125,8 @@ class DecodeKernel:
             scale, None if o_prefix is None else o_prefix.data_ptr(),
             None if lse_prefix is None else lse_prefix.data_ptr(), out.data_ptr(),
         )
+        if status == 3:
+            raise MemoryError("decode kernel: no memory for the split keys' partial results")
         if status != 0:
             raise ValueError(f"decode+write kernel status {status}: check write_fits() first")
         return out

@@ -196,3 +196,62 @@ def test_write_and_decode_from_a_prefix_state(kernel, io_dtype, head_dim):
     assert out.dtype == io_dtype
     tolerance = 2e-5 if io_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), torch.stack(expected), atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def four_threads():
+    """OpenMP's thread count for the kernel's split decision: 4, whatever this machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["alone", "prefix-state"])
+@pytest.mark.parametrize("length", [700, 1 + 16 * 37])  # parts of unequal pages; a 1-key page
+def test_one_long_sequence_is_split_over_threads_and_merged(kernel, four_threads, io_dtype,
+                                                            with_prefix, length):
+    """One sequence decoding alone has fewer (sequence, kv head) items than threads, so the
+    kernel cuts its keys into parts of whole pages and merges them by log-sum-exp: the result
+    must equal attention over all of them (and the new key, written first, must be seen)."""
+    torch.manual_seed(length)
+    num_kv_heads, group, block_size, head_dim = 3, 3, 16, 64
+    num_heads, blocks = num_kv_heads * group, -(-length // block_size)
+    num_blocks = blocks + 5
+    k_pages = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim) * 2).to(io_dtype)
+    v_pages = torch.randn(num_kv_heads, num_blocks, block_size, head_dim).to(io_dtype)
+    tables = torch.randperm(num_blocks)[:blocks][None]  # scattered pages
+    lens = torch.tensor([length])
+    slots = tables[0, (length - 1) // block_size] * block_size + (length - 1) % block_size
+    q = torch.randn(1, num_heads, head_dim).to(io_dtype)
+    k = torch.randn(1, num_kv_heads, head_dim).to(io_dtype)
+    v = torch.randn(1, num_kv_heads, head_dim).to(io_dtype)
+    scale = head_dim**-0.5
+    prefix = None
+    if with_prefix:  # a starting state over 40 other keys, by torch
+        pk, pv = torch.randn(num_heads, 40, head_dim), torch.randn(num_heads, 40, head_dim)
+        prefix_scores = torch.einsum("hd,hld->hl", q[0].float(), pk) * scale
+        prefix = (torch.einsum("hl,hld->hd", prefix_scores.softmax(-1), pv)[None].contiguous(),
+                  torch.logsumexp(prefix_scores, -1)[None].contiguous())
+    out = kernel.write_and_decode(q, k, v, slots[None], k_pages, v_pages, tables, None, lens,
+                                  scale, prefix=prefix)
+    own_k = k_pages[:, tables[0]].reshape(num_kv_heads, -1, head_dim)[:, :length]
+    own_v = v_pages[:, tables[0]].reshape(num_kv_heads, -1, head_dim)[:, :length]
+    assert torch.equal(own_k[:, -1], k[0]) and torch.equal(own_v[:, -1], v[0])
+    own_k = own_k.float().repeat_interleave(group, 0)  # [Hq, L, D]
+    own_v = own_v.float().repeat_interleave(group, 0)
+    keys, values = own_k, own_v
+    if with_prefix:
+        keys, values = torch.cat([pk, own_k], 1), torch.cat([pv, own_v], 1)
+    scores = torch.einsum("hd,hld->hl", q[0].float(), keys) * scale
+    expected = torch.einsum("hl,hld->hd", scores.softmax(-1), values)
+    tolerance = 2e-5 if io_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[0].float(), expected, atol=tolerance, rtol=tolerance)
+    # __call__ (no write, no starting state) gives the log-sum-exp from the same split path
+    own_scores = torch.einsum("hd,hld->hl", q[0].float(), own_k) * scale
+    o_own, lse_own = kernel(q, k_pages, v_pages, tables, None, 0, lens, scale, with_lse=True)
+    torch.testing.assert_close(o_own[0].float(),
+                               torch.einsum("hl,hld->hd", own_scores.softmax(-1), own_v),
+                               atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse_own[0], torch.logsumexp(own_scores, -1), atol=1e-4, rtol=1e-4)

@@ -7,13 +7,18 @@
  * once (a gather reads them, writes a copy, then SDPA reads the copy again). The G = Hq / Hkv
  * query heads sharing a kv head share each loaded key tile (grouped-query attention without
  * repeats). Vectors are as wide as the build target's registers (VL: 16 lanes with AVX-512, else 8).
- * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded.
+ * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded; a sequence
+ * decoding alone has its keys split over the threads too (parts_per_item).
  * kvmemo_paged_decode_write may start each softmax from attention over earlier keys (o_prefix,
  * lse_prefix: a cascade's shared prefix), so its output covers both sets of keys.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "../../model/kernels/bf16.h"
 
@@ -378,6 +383,26 @@ static inline void store_io(const float *src, int io, int64_t n, void *dst) {
     for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
 }
 
+/* Split-K: with fewer (sequence, kv head) items than twice the threads (one long conversation
+ * decoding alone: 3 items on 2 threads, one thread idle for a third of every layer), each item's
+ * keys are cut into parts of whole pages, at least MIN_PART_KEYS each, attended in parallel and
+ * merged by their log-sum-exps (flash-decoding). */
+enum { MIN_PART_KEYS = 128 };
+
+static int64_t parts_per_item(int64_t items, const int64_t *kv_lens, int64_t B, int64_t bs) {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    if (threads < 2 || items >= 2 * threads) return 1;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = kv_lens[b] > longest ? kv_lens[b] : longest;
+    int64_t parts = (2 * threads + items - 1) / items;
+    const int64_t by_length = longest / (MIN_PART_KEYS > bs ? MIN_PART_KEYS : bs);
+    return parts < by_length ? parts : (by_length > 1 ? by_length : 1);
+}
+
 /* The whole decode attention of one layer. q/k_new/v_new/out are fp32 or bf16 (io, one dtype
  * for all four); o_init/lse_init (fp32, optional) are attention over keys before first_block. */
 static int paged_decode(const void *q, int64_t q_stride, const void *k_new, const void *v_new,
@@ -390,38 +415,113 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     int G = (int)(Hq / Hkv);
     if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
     const int64_t io_bytes = io ? 2 : 4;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t item = 0; item < B * Hkv; item++) {
-        int64_t b = item / Hkv, h = item % Hkv;
-        int64_t head_offset = h * num_blocks * bs;
-        /* io's codes are KV_F32 / KV_BF16, so to_f32 reads q, k_new and v_new too */
-        if (slots) { /* this (sequence, head) alone reads the slot: no other item races on it */
-            float kbuf[MAX_D], vbuf[MAX_D];
-            const int64_t at = b * kv_stride + h * D;
-            write_slot(to_f32(k_new, at, D, io, kbuf), to_f32(v_new, at, D, io, vbuf),
-                       (void *)k_pages, (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
-        }
-        float qs[MAX_GROUP * MAX_D], o32[MAX_GROUP * MAX_D];
-        const float *qb = to_f32(q, b * q_stride + h * G * D, G * D, io, qs);
-        for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
-        const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
-        float *ob = io ? o32 : (float *)out + (b * Hq + h * G) * D;
-        float *lb = lse ? lse + b * Hq + h * G : 0;
-        const float *oi = o_init ? o_init + (b * Hq + h * G) * D : 0;
-        const float *li = o_init ? lse_init + b * Hq + h * G : 0;
-        /* Constant D lets the compiler unroll the dot products and V updates fully. */
-        if (D == 64)
-            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 64, ob, lb, 1, oi, li);
-        else if (D == 128)
-            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, 128, ob, lb, 1, oi, li);
-        else
-            attend_one(qs, k_pages, v_pages, dtype, table, kv_lens[b], head_offset, bs, G, D, ob, lb, 1, oi, li);
-        if (io) store_io(o32, io, G * D, (char *)out + (b * Hq + h * G) * D * io_bytes);
+    const int64_t items = B * Hkv, parts = parts_per_item(items, kv_lens, B, bs);
+    /* Parts: each item's o [parts][G][D] and lse [parts][G] (fp32), merged after the loop. */
+    float *part_o = NULL, *part_lse = NULL;
+    if (parts > 1) {
+        part_o = malloc(sizeof(float) * (size_t)(items * parts * G * D));
+        part_lse = malloc(sizeof(float) * (size_t)(items * parts * G));
+        if (!part_o || !part_lse) { free(part_o); free(part_lse); return 3; }
     }
+    /* A part's keys: whole pages, the item's pages dealt out evenly (the last part the rest). */
+    const int64_t units = items * parts;
+#pragma omp parallel
+    {
+        if (slots && parts > 1) { /* every part must see the new key: write them all first */
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < items; item++) {
+                int64_t b = item / Hkv, h = item % Hkv;
+                float kbuf[MAX_D], vbuf[MAX_D];
+                const int64_t at = b * kv_stride + h * D;
+                write_slot(to_f32(k_new, at, D, io, kbuf), to_f32(v_new, at, D, io, vbuf),
+                           (void *)k_pages, (void *)v_pages, dtype,
+                           (h * num_blocks * bs + slots[b]) * D, D);
+            }
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t unit = 0; unit < units; unit++) {
+            int64_t item = unit / parts, part = unit % parts;
+            int64_t b = item / Hkv, h = item % Hkv;
+            int64_t head_offset = h * num_blocks * bs;
+            /* io's codes are KV_F32 / KV_BF16, so to_f32 reads q, k_new and v_new too */
+            if (slots && parts == 1) { /* this (sequence, head) alone reads the slot: no race */
+                float kbuf[MAX_D], vbuf[MAX_D];
+                const int64_t at = b * kv_stride + h * D;
+                write_slot(to_f32(k_new, at, D, io, kbuf), to_f32(v_new, at, D, io, vbuf),
+                           (void *)k_pages, (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
+            }
+            float qs[MAX_GROUP * MAX_D], o32[MAX_GROUP * MAX_D];
+            const float *qb = to_f32(q, b * q_stride + h * G * D, G * D, io, qs);
+            for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
+            const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
+            int64_t kv_len = kv_lens[b];
+            float *ob, *lb;
+            const float *oi = 0, *li = 0;
+            if (parts > 1) {
+                const int64_t pages = (kv_len + bs - 1) / bs, per_part = (pages + parts - 1) / parts;
+                const int64_t first = part * per_part * bs;
+                kv_len = kv_len - first < per_part * bs ? kv_len - first : per_part * bs;
+                table += part * per_part;
+                ob = part_o + unit * G * D;
+                lb = part_lse + unit * G;
+                if (kv_len <= 0) { /* fewer pages than parts: an empty part */
+                    for (int g = 0; g < G; g++) lb[g] = -INFINITY;
+                    memset(ob, 0, sizeof(float) * (size_t)(G * D));
+                    continue;
+                }
+            } else {
+                ob = io ? o32 : (float *)out + (b * Hq + h * G) * D;
+                lb = lse ? lse + b * Hq + h * G : 0;
+                oi = o_init ? o_init + (b * Hq + h * G) * D : 0;
+                li = o_init ? lse_init + b * Hq + h * G : 0;
+            }
+            /* Constant D lets the compiler unroll the dot products and V updates fully. */
+            if (D == 64)
+                attend_one(qs, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 64, ob, lb, 1, oi, li);
+            else if (D == 128)
+                attend_one(qs, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 128, ob, lb, 1, oi, li);
+            else
+                attend_one(qs, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, D, ob, lb, 1, oi, li);
+            if (io && parts == 1) store_io(o32, io, G * D, (char *)out + (b * Hq + h * G) * D * io_bytes);
+        }
+        if (parts > 1) {
+            /* Merge each head's parts (and the starting state) by their log-sum-exps. */
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < B * Hq; row++) {
+                const int64_t b = row / Hq, hq = row % Hq, item = b * Hkv + hq / G, g = hq % G;
+                float top = o_init ? lse_init[row] : -INFINITY;
+                for (int64_t p = 0; p < parts; p++) {
+                    const float l = part_lse[(item * parts + p) * G + g];
+                    top = l > top ? l : top;
+                }
+                float acc[MAX_D], total = 0.0f;
+                memset(acc, 0, sizeof(float) * (size_t)D);
+                if (o_init && lse_init[row] != -INFINITY) {
+                    const float w = expf(lse_init[row] - top);
+                    total += w;
+                    for (int64_t d = 0; d < D; d++) acc[d] += w * o_init[row * D + d];
+                }
+                for (int64_t p = 0; p < parts; p++) {
+                    const float l = part_lse[(item * parts + p) * G + g];
+                    if (l == -INFINITY) continue;
+                    const float w = expf(l - top), *o = part_o + ((item * parts + p) * G + g) * D;
+                    total += w;
+                    for (int64_t d = 0; d < D; d++) acc[d] += w * o[d];
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int64_t d = 0; d < D; d++) acc[d] *= inv;
+                if (lse) lse[row] = total > 0.0f ? top + logf(total) : -INFINITY;
+                store_io(acc, io, D, (char *)out + row * D * io_bytes);
+            }
+        }
+    }
+    free(part_o);
+    free(part_lse);
     return 0;
 }
 
-/* Returns 0, or 1 when D or the group exceeds the fixed tile buffers (the caller falls back). */
+/* Returns 0, 1 when D or the group exceeds the fixed tile buffers (the caller falls back), or
+ * 3 when the split's scratch could not be allocated. */
 int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages, int dtype,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
                         int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,

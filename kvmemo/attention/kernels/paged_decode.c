@@ -165,6 +165,46 @@ static inline __attribute__((always_inline)) void vec_scores(
     }
 }
 
+#if defined(__AVX512BF16__) && VL == 16 /* TILE (16) keys per tile: one register of scores */
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+/* s[g * TILE + t] = c * (q_g . K_t) for t < n <= TILE, from bf16 q rows and bf16 page rows by
+ * the CPU's bf16 dot product (AVX512_BF16 vdpbf16ps: each bf16 x bf16 product is exact in fp32
+ * and summed in fp32), so K is read as stored, with no conversion pass over the tile: the same
+ * products as converting both to fp32, summed in another order. D a multiple of 32. */
+static inline __attribute__((always_inline)) void bf16_scores(
+    const uint16_t *restrict q, const uint16_t *restrict K, int64_t n, int G, const int64_t D,
+    float c, float *restrict s) {
+    _Static_assert(TILE == VL, "one tile's scores of one head are one register");
+    const int W = (int)(D / 32); /* registers per row */
+    for (int g = 0; g < G; g++) {
+        __m512bh qv[MAX_D / 32];
+        for (int w = 0; w < W; w++) qv[w] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * w);
+        vf partial[VL];
+        if (n == VL) {
+#pragma GCC unroll 16
+            for (int i = 0; i < VL; i++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int w = 0; w < W; w++)
+                    a = _mm512_dpbf16_ps(a, qv[w], (__m512bh)_mm512_loadu_si512(K + i * D + 32 * w));
+                partial[i] = (vf)a;
+            }
+        } else {
+            for (int i = 0; i < VL; i++) {
+                __m512 a = _mm512_setzero_ps();
+                if (i < n) /* never read past the tile: its page may end there */
+                    for (int w = 0; w < W; w++)
+                        a = _mm512_dpbf16_ps(a, qv[w], (__m512bh)_mm512_loadu_si512(K + i * D + 32 * w));
+                partial[i] = (vf)a;
+            }
+        }
+        storev(s + g * TILE, sum_lanes(partial) * c);
+    }
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 /* The upper 8 lanes' indices of a within-8-lanes shuffle, present only in 16-lane builds. */
 #if VL == 16
 #define HALF_TAIL(...) , __VA_ARGS__
@@ -252,6 +292,10 @@ static inline void vec_scores(const float *qs, const float *K, int64_t n, int G,
 static inline void vec_accumulate(float *acc, float alpha, const float *p, const float *V, int64_t n, int C) {}
 #endif
 
+#ifndef HAVE_BF16_DOT
+#define HAVE_BF16_DOT 0
+#endif
+
 /* 2^x for x <= 0 without a libm call, so the loop over a tile's scores vectorises (a scalar
  * exp2f call per score was half the kernel's time). x = i + f, i = round(x), |f| <= 1/2;
  * 2^f by TWO_POW_FRACTION, 2^i built in the exponent bits. */
@@ -283,11 +327,14 @@ static inline void prefetch_tile(const void *k_pages, const void *v_pages, int d
     }
 }
 
-/* One (sequence, kv head): G query rows [G, D] (already scaled by scale * log2 e) -> out, lse. */
+/* One (sequence, kv head): G query rows [G, D] (already scaled by scale * log2 e) -> out, lse.
+ * q16 (or NULL): the same rows in bf16, unscaled, for bf16 pages' scores by bf16 dot products
+ * (bf16_scores), times qscale = scale * log2 e. */
 static inline __attribute__((always_inline)) void attend_one(
-    const float *qs, const void *k_pages, const void *v_pages, int dtype, const int64_t *table,
-    int64_t kv_len, int64_t head_offset, int64_t bs, int G, const int64_t D, float *out,
-    float *lse, int64_t lse_stride, const float *o_init, const float *lse_init) {
+    const float *qs, const uint16_t *q16, float qscale, const void *k_pages, const void *v_pages,
+    int dtype, const int64_t *table, int64_t kv_len, int64_t head_offset, int64_t bs, int G,
+    const int64_t D, float *out, float *lse, int64_t lse_stride, const float *o_init,
+    const float *lse_init) {
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_GROUP * TILE];
     float acc[MAX_GROUP * MAX_D], m[MAX_GROUP], l[MAX_GROUP];
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
@@ -312,12 +359,17 @@ static inline __attribute__((always_inline)) void attend_one(
         /* Several tiles ahead: one tile of compute is much shorter than a DRAM round trip. */
         int64_t ahead = start + PREFETCH_TILES * step;
         if (ahead < kv_len) prefetch_tile(k_pages, v_pages, dtype, table, ahead, kv_len, head_offset, bs, D);
-        const float *K = to_f32(k_pages, offset, n * D, dtype, kbuf);
         const float *V = to_f32(v_pages, offset, n * D, dtype, vbuf);
         float *scores = s;
+#if HAVE_BF16_DOT
+        if (q16) {
+            bf16_scores(q16, (const uint16_t *)k_pages + offset, n, G, D, qscale, s);
+        } else
+#endif
         if (VEC_CHUNKS(D)) {
-            vec_scores(qs, K, n, G, D / VL, s);
+            vec_scores(qs, to_f32(k_pages, offset, n * D, dtype, kbuf), n, G, D / VL, s);
         } else {
+            const float *K = to_f32(k_pages, offset, n * D, dtype, kbuf);
             for (int64_t t = 0; t < n; t++) {
                 for (int g = 0; g < G; g++) {
                     float dot = 0.0f;
@@ -475,13 +527,17 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 oi = o_init ? o_init + (b * Hq + h * G) * D : 0;
                 li = o_init ? lse_init + b * Hq + h * G : 0;
             }
+            /* bf16 queries on bf16 pages: scores by bf16 dot products (D 64 or 128). */
+            const uint16_t *q16 = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128)
+                ? (const uint16_t *)q + b * q_stride + h * G * D : NULL;
+            const float qscale = scale * LOG2E;
             /* Constant D lets the compiler unroll the dot products and V updates fully. */
             if (D == 64)
-                attend_one(qs, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 64, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 64, ob, lb, 1, oi, li);
             else if (D == 128)
-                attend_one(qs, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 128, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 128, ob, lb, 1, oi, li);
             else
-                attend_one(qs, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, D, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, D, ob, lb, 1, oi, li);
             if (io && parts == 1) store_io(o32, io, G * D, (char *)out + (b * Hq + h * G) * D * io_bytes);
         }
         if (parts > 1) {

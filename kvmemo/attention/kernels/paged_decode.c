@@ -96,6 +96,12 @@ static inline const float *to_f32(const void *src, int64_t offset, int64_t n, in
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 enum { MAX_CHUNKS = 16 }; /* accumulator registers per head: D / VL */
+#if defined(__AVX512F__)
+#define VEC_REGISTERS 32
+#else
+#define VEC_REGISTERS 16
+#endif
+#define HEADS_PER_PASS 4 /* vec_accumulate_group's most heads at once */
 #define VEC_CHUNKS(D) ((D) % VL == 0 && (D) / VL <= MAX_CHUNKS && ((D) == 64 || (D) == 128))
 
 static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
@@ -284,12 +290,52 @@ static inline __attribute__((always_inline)) void vec_accumulate(
     }
     for (int c = 0; c < C; c++) storev(acc + c * VL, a[c]);
 }
+
+/* vec_accumulate for H heads of a group at once (H a constant, H * C accumulators in registers):
+ * each value row V_t is loaded once for the H heads, not once per head. */
+static inline __attribute__((always_inline)) void vec_accumulate_heads(
+    float *restrict acc, const float *restrict alpha, const float *restrict p, const float *restrict V,
+    int64_t n, const int H, const int C) {
+    vf a[HEADS_PER_PASS][MAX_CHUNKS];
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < C; c++) a[h][c] = loadv(acc + (h * C + c) * VL) * alpha[h];
+    for (int64_t t = 0; t < n; t++) {
+        vf v[MAX_CHUNKS];
+        for (int c = 0; c < C; c++) v[c] = loadv(V + t * C * VL + c * VL);
+        for (int h = 0; h < H; h++) {
+            const vf pt = (vf){0} + p[h * TILE + t];
+            for (int c = 0; c < C; c++) a[h][c] += pt * v[c];
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int c = 0; c < C; c++) storev(acc + (h * C + c) * VL, a[h][c]);
+}
+
+/* Every head of the group: alpha[g] and probabilities p[g * TILE + t] -> acc [G][C * VL]. Heads
+ * go HEADS_PER_PASS at a time while their accumulators and one value row fit the registers. */
+static inline __attribute__((always_inline)) void vec_accumulate_group(
+    float *restrict acc, const float *restrict alpha, const float *restrict p, const float *restrict V,
+    int64_t n, int G, const int C) {
+    const int per_pass = C * (HEADS_PER_PASS + 1) <= VEC_REGISTERS - 2 ? HEADS_PER_PASS
+                       : C * 3 <= VEC_REGISTERS - 2 ? 2 : 1;
+    for (int g = 0; g < G;) {
+        const int left = G - g, h = left < per_pass ? left : per_pass;
+        float *ag = acc + g * C * VL;
+        const float *pg = p + g * TILE;
+        if (h >= 4) vec_accumulate_heads(ag, alpha + g, pg, V, n, 4, C);
+        else if (h == 3) vec_accumulate_heads(ag, alpha + g, pg, V, n, 3, C);
+        else if (h == 2) vec_accumulate_heads(ag, alpha + g, pg, V, n, 2, C);
+        else vec_accumulate(ag, alpha[g], pg, V, n, C);
+        g += h >= 4 ? 4 : h;
+    }
+}
 #else
 #define VL 1 /* no vector path: the scalar loops below run */
 #define VEC_CHUNKS(D) 0
 static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) { return 0.0f; }
 static inline void vec_scores(const float *qs, const float *K, int64_t n, int G, int C, float *s) {}
 static inline void vec_accumulate(float *acc, float alpha, const float *p, const float *V, int64_t n, int C) {}
+static inline void vec_accumulate_group(float *acc, const float *alpha, const float *p, const float *V, int64_t n, int G, int C) {}
 #endif
 
 #ifndef HAVE_BF16_DOT
@@ -379,13 +425,14 @@ static inline __attribute__((always_inline)) void attend_one(
                 }
             }
         }
+        if (VEC_CHUNKS(D)) {
+            float alpha[MAX_GROUP];
+            for (int g = 0; g < G; g++) alpha[g] = vec_softmax_tile(scores + g * TILE, n, &m[g], &l[g]);
+            vec_accumulate_group(acc, alpha, scores, V, n, G, D / VL);
+            continue;
+        }
         for (int g = 0; g < G; g++) {
             float *sg = scores + g * TILE;
-            if (VEC_CHUNKS(D)) {
-                float alpha = vec_softmax_tile(sg, n, &m[g], &l[g]);
-                vec_accumulate(acc + g * D, alpha, sg, V, n, D / VL);
-                continue;
-            }
             float tile_max = m[g];
             for (int64_t t = 0; t < n; t++) tile_max = sg[t] > tile_max ? sg[t] : tile_max;
             float alpha = exp2f(m[g] - tile_max), sum = 0.0f; /* m = -inf first: alpha = 0 */

@@ -210,13 +210,15 @@ def four_threads():
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_prefix", [False, True], ids=["alone", "prefix-state"])
 @pytest.mark.parametrize("length", [700, 1 + 16 * 37])  # parts of unequal pages; a 1-key page
+# (kv heads, group, D): SmolLM2's; 4 heads a pass at D 64 and 2 a pass at D 128 (AVX-512)
+@pytest.mark.parametrize("heads", [(3, 3, 64), (1, 8, 64), (2, 4, 128)], ids=str)
 def test_one_long_sequence_is_split_over_threads_and_merged(kernel, four_threads, io_dtype,
-                                                            with_prefix, length):
+                                                            with_prefix, length, heads):
     """One sequence decoding alone has fewer (sequence, kv head) items than threads, so the
     kernel cuts its keys into parts of whole pages and merges them by log-sum-exp: the result
     must equal attention over all of them (and the new key, written first, must be seen)."""
     torch.manual_seed(length)
-    num_kv_heads, group, block_size, head_dim = 3, 3, 16, 64
+    (num_kv_heads, group, head_dim), block_size = heads, 16
     num_heads, blocks = num_kv_heads * group, -(-length // block_size)
     num_blocks = blocks + 5
     k_pages = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim) * 2).to(io_dtype)
@@ -255,3 +257,14 @@ def test_one_long_sequence_is_split_over_threads_and_merged(kernel, four_threads
                                torch.einsum("hl,hld->hd", own_scores.softmax(-1), own_v),
                                atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(lse_own[0], torch.logsumexp(own_scores, -1), atol=1e-4, rtol=1e-4)
+
+
+def test_an_empty_batch_returns_empty_outputs(kernel, four_threads):
+    """No sequences: nothing to attend, nothing to split (the split's part count divides by the
+    number of items)."""
+    k_pages = torch.randn(3, 4, 16, 64)
+    q = torch.randn(0, 9, 64)
+    tables = torch.zeros(0, 2, dtype=torch.int64)
+    out, lse = kernel(q, k_pages, k_pages, tables, None, 0, torch.zeros(0, dtype=torch.int64),
+                      0.125, with_lse=True)
+    assert out.shape == (0, 9, 64) and lse is not None and lse.shape == (0, 9)

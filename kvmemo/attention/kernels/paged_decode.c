@@ -494,7 +494,7 @@ static int64_t parts_per_item(int64_t items, const int64_t *kv_lens, int64_t B, 
 #else
     const int64_t threads = 1;
 #endif
-    if (threads < 2 || items >= 2 * threads) return 1;
+    if (items <= 0 || threads < 2 || items >= 2 * threads) return 1; /* items 0: an empty batch */
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = kv_lens[b] > longest ? kv_lens[b] : longest;
     int64_t parts = (2 * threads + items - 1) / items;

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks.machine_info import cpu_label
 from benchmarks.micro.bench_fp8 import paged_logits, prompts
 from benchmarks.paths import RESULTS
 from kvmemo import LLM, SamplingParams
@@ -61,6 +62,8 @@ def main() -> int:
     bf16_head = model.sampling_logits(states).float().softmax(-1)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_label(),  # the bf16 products' kernels differ by CPU
+        "torch": torch.__version__,
         "positions": states.shape[0],
         "bf16_head_vs_fp32_head": distances(fp32_head, bf16_head),
         "fp32_mode_vs_bf16_mode_fp32_head": distances(exact, fp32_head),

@@ -101,7 +101,8 @@ def sampling_head_section(r: dict) -> str:
 In the bf16 mode, rows sampled at a temperature (no logprobs) draw from the head's bf16 product
 with fp32 sums; greedy tokens and logprobs keep the fp32 head. Next-token distributions at
 temperature 1 over {r['positions']} teacher-forced positions (the fp8 benchmark's prompts and the
-fp32 mode's greedy continuations); {r['date']}. Total variation is the share of draws that differ
+fp32 mode's greedy continuations); {r['date']}, {r.get('cpu', 'CPU not recorded')}, torch
+{r.get('torch', '?')}. Total variation is the share of draws that differ
 under the best coupling of the two distributions.
 
 | distributions | total variation, mean | max | KL, mean |

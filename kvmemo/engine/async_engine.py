@@ -302,6 +302,10 @@ class AsyncEngine:
                 last_stats, tokens_at_last_stats = now, self.num_generated_tokens
         self._fail_all(EngineDeadError("the engine was shut down"))
 
+    def _queue_full(self, num_waiting: int, n: int) -> bool:
+        """Admitting n more sequences behind num_waiting would pass max_waiting."""
+        return num_waiting + n > self.max_waiting
+
     def _tokenize_texts(self, commands: list[_Add | _Call | list[str]]) -> None:
         """The text prompts of a burst of adds in one tokenizer call (it encodes a batch on
         every core, at about half the time of one call per prompt: 63 random-token prompts of
@@ -309,24 +313,24 @@ class AsyncEngine:
         sooner. A prompt the batch cannot encode is left to its own add, which reports it."""
         if not commands:  # the engine loop's usual pass: nothing arrived since the last step
             return
-        separator = self.engine.processor.blend_separator
+        processor = self.engine.processor
         waiting = self.engine.num_waiting
         texts = []
         for c in commands:
             if not isinstance(c, _Add):
                 continue
-            if waiting + c.params.n > self.max_waiting:
+            if self._queue_full(waiting, c.params.n):
                 continue  # _add turns it away (503) before any tokenizing: keep that cheap
             waiting += c.params.n
             if (isinstance(c.prompt, str) and c.prompt and c.messages is None
-                    and c.segments is None and not (separator and separator in c.prompt)):
-                texts.append(c)  # (a blend separator makes segments: encoded piece by piece)
+                    and c.segments is None and processor.blend_pieces(c.prompt) is None):
+                texts.append(c)  # (segments are encoded piece by piece)
         for special in (True, False):
             batch = [c for c in texts if c.add_special_tokens is special]
             if len(batch) < 2:
                 continue
             try:
-                encoded = self.engine.processor.encode_texts(
+                encoded = processor.encode_texts(
                     [cast(str, c.prompt) for c in batch], add_special_tokens=special
                 )
             except Exception:  # noqa: BLE001 -- each add then encodes and reports its own
@@ -359,7 +363,7 @@ class AsyncEngine:
     def _add(self, command: _Add) -> None:
         params = command.params
         num_waiting = self.engine.num_waiting
-        if num_waiting + params.n > self.max_waiting:
+        if self._queue_full(num_waiting, params.n):
             raise QueueFullError(
                 f"the server is overloaded: {num_waiting} requests are waiting "
                 f"(limit {self.max_waiting}); retry later"

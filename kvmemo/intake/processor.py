@@ -108,14 +108,22 @@ class InputProcessor:
         add_special_tokens: the tokenizer's own (a BOS, for models that use one) on a text.
         A text holding the blend separator becomes segments (kv_reuse, recompute_ratio:
         theirs). token_ids: the text's encoding by encode_texts, when a caller batched it."""
-        if isinstance(prompt, str) and self.blend_separator and not images:
-            pieces = split_at_separator(prompt, self.blend_separator)
-            if pieces is not None and len(pieces) >= 2:
+        if isinstance(prompt, str) and not images:
+            pieces = self.blend_pieces(prompt)
+            if pieces is not None:
                 return self.process_segments(pieces, kv_reuse, recompute_ratio)
         if token_ids is None or not isinstance(prompt, str):
             token_ids = self.encode_prompt(prompt, add_special_tokens)
         text = prompt if isinstance(prompt, str) else None
         return self._expand_images(token_ids, list(images or ()), text)
+
+    def blend_pieces(self, text: str) -> list[str] | None:
+        """The segments a text prompt becomes (it holds the blend separator), or None: then it
+        is encoded whole."""
+        if not self.blend_separator:
+            return None
+        pieces = split_at_separator(text, self.blend_separator)
+        return pieces if pieces is not None and len(pieces) >= 2 else None
 
     def process_any(self, prompt: Any) -> ProcessedPrompt:
         """A prompt in any form the offline API takes: a string, token ids, a ProcessedPrompt,

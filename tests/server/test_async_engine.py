@@ -20,7 +20,6 @@ from kvmemo.sampling import SamplingParams
 
 class _Processor:
     chat_template = None
-    blend_separator = None
 
     def __init__(self):
         self.batches: list[list[str]] = []  # encode_texts calls
@@ -34,6 +33,9 @@ class _Processor:
                 raise ValueError("prompt must be a non-empty string")
             return ProcessedPrompt(token_ids or [ord(c) for c in prompt], prompt)
         return ProcessedPrompt(list(prompt))
+
+    def blend_pieces(self, text):
+        return None  # no blend separator
 
     def encode_texts(self, texts, add_special_tokens=True):
         self.batches.append(list(texts))

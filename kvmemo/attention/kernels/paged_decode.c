@@ -322,11 +322,11 @@ static inline __attribute__((always_inline)) void vec_accumulate_group(
         const int left = G - g, h = left < per_pass ? left : per_pass;
         float *ag = acc + g * C * VL;
         const float *pg = p + g * TILE;
-        if (h >= 4) vec_accumulate_heads(ag, alpha + g, pg, V, n, 4, C);
+        if (h == 4) vec_accumulate_heads(ag, alpha + g, pg, V, n, 4, C);
         else if (h == 3) vec_accumulate_heads(ag, alpha + g, pg, V, n, 3, C);
         else if (h == 2) vec_accumulate_heads(ag, alpha + g, pg, V, n, 2, C);
         else vec_accumulate(ag, alpha[g], pg, V, n, C);
-        g += h >= 4 ? 4 : h;
+        g += h;
     }
 }
 #else
@@ -458,9 +458,12 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 /* The new token's key and value of (sequence b, kv head h) into its slot, in the pages' dtype
- * (fp32 copied; bf16 rounded to nearest even, as torch's cast). */
-static inline void write_slot(const float *k, const float *v, void *k_pages, void *v_pages,
-                              int dtype, int64_t offset, int64_t D) {
+ * (fp32 copied; bf16 rounded to nearest even, as torch's cast). They are D values at element
+ * `at` of k_new / v_new, in io's dtype (io's codes are KV_F32 / KV_BF16, so to_f32 reads them). */
+static inline void write_slot(const void *k_new, const void *v_new, int64_t at, int io,
+                              void *k_pages, void *v_pages, int dtype, int64_t offset, int64_t D) {
+    float kbuf[MAX_D], vbuf[MAX_D];
+    const float *k = to_f32(k_new, at, D, io, kbuf), *v = to_f32(v_new, at, D, io, vbuf);
     if (dtype == KV_F32) {
         memcpy((float *)k_pages + offset, k, sizeof(float) * (size_t)D);
         memcpy((float *)v_pages + offset, v, sizeof(float) * (size_t)D);
@@ -530,11 +533,8 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; item++) {
                 int64_t b = item / Hkv, h = item % Hkv;
-                float kbuf[MAX_D], vbuf[MAX_D];
-                const int64_t at = b * kv_stride + h * D;
-                write_slot(to_f32(k_new, at, D, io, kbuf), to_f32(v_new, at, D, io, vbuf),
-                           (void *)k_pages, (void *)v_pages, dtype,
-                           (h * num_blocks * bs + slots[b]) * D, D);
+                write_slot(k_new, v_new, b * kv_stride + h * D, io, (void *)k_pages,
+                           (void *)v_pages, dtype, (h * num_blocks * bs + slots[b]) * D, D);
             }
         }
 #pragma omp for schedule(dynamic)
@@ -542,13 +542,10 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
             int64_t item = unit / parts, part = unit % parts;
             int64_t b = item / Hkv, h = item % Hkv;
             int64_t head_offset = h * num_blocks * bs;
-            /* io's codes are KV_F32 / KV_BF16, so to_f32 reads q, k_new and v_new too */
-            if (slots && parts == 1) { /* this (sequence, head) alone reads the slot: no race */
-                float kbuf[MAX_D], vbuf[MAX_D];
-                const int64_t at = b * kv_stride + h * D;
-                write_slot(to_f32(k_new, at, D, io, kbuf), to_f32(v_new, at, D, io, vbuf),
-                           (void *)k_pages, (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
-            }
+            if (slots && parts == 1) /* this (sequence, head) alone reads the slot: no race */
+                write_slot(k_new, v_new, b * kv_stride + h * D, io, (void *)k_pages,
+                           (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
+            /* io's codes are KV_F32 / KV_BF16, so to_f32 reads q too */
             float qs[MAX_GROUP * MAX_D], o32[MAX_GROUP * MAX_D];
             const float *qb = to_f32(q, b * q_stride + h * G * D, G * D, io, qs);
             for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);

@@ -27,8 +27,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The kernel and model suites run again under every instruction-set level below this CPU's own
+# (KVMEMO_ISA, kvmemo/isa.py): an AVX-512 machine tests the AVX2 and plain x86-64 paths, so a
+# change tuned on one CPU cannot break another. (Three long Gemma bookkeeping tests run once.)
+ISA_SUITES := tests/test_isa.py tests/model tests/attention tests/engine/test_fused_sampling.py
+
 test: $(STAMP)
 	$(PY) -m pytest -q
+	@for level in $$($(VENV)/bin/kvmemo isa --below); do \
+		echo "== KVMEMO_ISA=$$level: $(ISA_SUITES)"; \
+		KVMEMO_ISA=$$level $(PY) -m pytest -q -m "not native_isa_only" $(ISA_SUITES) || exit 1; \
+	done
 
 # ruff over the whole tree; mypy over the package's typed core (kv, connector, engine, intake,
 # attention, model, structured, tool_calls, integrations). Both are configured in pyproject.toml;

@@ -8,6 +8,7 @@ the peers' virtualenvs can import it.
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -31,13 +32,23 @@ def vector_isa() -> str:
     return platform.machine()
 
 
+def forced_isa() -> str | None:
+    """The instruction-set level KVMEMO_ISA forces (kvmemo/isa.py), or None for the native one."""
+    value = os.environ.get("KVMEMO_ISA", "").strip().lower()
+    return None if value in ("", "native") else value
+
+
 def cpu_label() -> str:
-    """e.g. 'AMD EPYC family 25 model 17 (avx512, avx512_bf16)': the VM names Zen 4 and Zen 5
-    alike, and they differ by ~2x here (Zen 4 runs 512-bit instructions in two halves)."""
+    """e.g. 'AMD EPYC family 25 model 17 (avx512, avx512_bf16)', and ', forced avx2' where
+    KVMEMO_ISA forces a lower level: the VM names Zen 4 and Zen 5 alike, and they differ by ~2x
+    here (Zen 4 runs 512-bit instructions in two halves)."""
     name = _cpuinfo_field("model name") or platform.machine()
     family, model = _cpuinfo_field("cpu family"), _cpuinfo_field("model\t")
     if family and model:
         name = f"{name} family {family} model {model}"
     flags = set((_cpuinfo_field("flags") or "").split())
     extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    forced = forced_isa()
+    if forced:
+        extras.append(f"forced {forced}")
     return f"{name} ({', '.join([vector_isa(), *extras])})"

@@ -8,6 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvmemo import isa
+
+try:
+    isa.apply()  # before anything imports torch: it reads the forced level once, at first use
+except isa.IsaError:
+    pass  # a bad KVMEMO_ISA is reported where a model loads (load_model): one line, exit 2
+
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 

@@ -351,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         "choices) (default: kvmemo)",
     )
     _add_engine_flags(ray_serve, SERVING_MAX_NUM_BATCHED_TOKENS)
+    isa_cmd = sub.add_parser(
+        "isa", help="the CPU's instruction-set level and the one kvmemo computes at ($KVMEMO_ISA)"
+    )
+    isa_cmd.add_argument("--below", action="store_true",
+                         help="print only the levels below the CPU's own, one a line")
     router = sub.add_parser(
         "router",
         help="route OpenAI requests to the replica holding the longest cached prefix "
@@ -578,10 +583,17 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_isa(args: argparse.Namespace) -> int:
+    from kvmemo import isa
+
+    print("\n".join(isa.levels_below_native()) if args.below else isa.describe())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -594,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_router(args)
         if args.command == "ray-serve":
             return _cmd_ray_serve(args)
+        if args.command == "isa":
+            return _cmd_isa(args)
         return _cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

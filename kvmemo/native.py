@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvmemo import isa
 from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ def _load_or_rebuild(source: Path, compiler: str, march: str) -> ctypes.CDLL:
 
 def _build(source: Path, compiler: str, march: str = "native") -> Path:
     """Compile source unless a build for this source, compiler, flags and CPU is cached."""
-    flags = [f"-march={march}" if f == "-march=native" else f for f in CFLAGS]
+    # "native" means the active instruction-set level: the CPU's own, or the one KVMEMO_ISA forces.
+    target_flags = list(isa.kernel_cflags()) if march == "native" else [f"-march={march}"]
+    flags = [g for f in CFLAGS for g in (target_flags if f == "-march=native" else [f])]
     text = source.read_bytes()
     # Local headers (#include "x.h" beside the source) are part of what is built.
     for header in sorted(set(re.findall(rb'#include "([^"]+)"', text))):
@@ -101,17 +104,13 @@ def _build(source: Path, compiler: str, march: str = "native") -> Path:
 
 
 def cpu_has_bf16_products() -> bool:
-    """The CPU multiplies bf16 in hardware (avx512_bf16 or AMX): there a bf16 GEMM runs at about
-    twice the fp32 rate; elsewhere bf16 is emulated and slower than fp32."""
+    """The CPU multiplies bf16 in hardware (avx512_bf16 or AMX) at the active instruction-set
+    level: there a bf16 GEMM runs at about twice the fp32 rate; elsewhere bf16 is emulated and
+    slower than fp32."""
     return bool(set(cpu_flags().split()) & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_flags() -> str:
-    """The CPU's feature flags (-march=native code must not run on another CPU model)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The CPU's feature flags at the active level, sorted (-march=native code must not run on
+    another CPU model, nor a forced level's build be taken for the native one)."""
+    return " ".join(sorted(isa.cpu_flags())) or platform.processor()

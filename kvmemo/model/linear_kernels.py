@@ -14,12 +14,17 @@ DECODE_ROWS rows: decode steps, logits) and "prefill" (more rows).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kvmemo import isa
 from kvmemo.model import skinny_linear
+
+logger = logging.getLogger(__name__)
 
 KERNELS = ("torch", "onednn", "skinny")
 DECODE_ROWS = skinny_linear.MAX_ROWS  # the few-row class: decode steps and logits
@@ -38,13 +43,31 @@ class KernelChoice:
                 raise ValueError(f"linear kernel must be one of {list(KERNELS)}, got {name!r}")
 
 
+# oneDNN takes bf16 weights only with AVX-512 (core: F, BW, VL, DQ) or AVX-NE-CONVERT; elsewhere
+# torch's reorder raises ("bf16 path needs the cpu support ..."); bf16 runs emulated in F.linear.
+_ONEDNN_BF16_FLAGS = (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                      frozenset({"avx_ne_convert"}))
+
+
+@functools.cache
 def onednn_available(dtype: torch.dtype) -> bool:
-    """oneDNN's CPU matmul exists in this torch build for `dtype`."""
-    return (
+    """oneDNN's CPU matmul exists in this torch build for `dtype` and runs on this CPU at the
+    active instruction-set level: a kernel that raises here is never chosen (tried once)."""
+    if not (
         dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    if dtype == torch.bfloat16 and not any(f <= isa.cpu_flags() for f in _ONEDNN_BF16_FLAGS):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype))
+        onednn_matmul(torch.ones(2, 8, dtype=dtype), packed, None)
+    except RuntimeError as e:
+        logger.info("oneDNN matmul unusable for %s here (%s): using F.linear", dtype, e)
+        return False
+    return True
 
 
 def kernel_usable(name: str, dtype: torch.dtype, device: torch.device) -> bool:

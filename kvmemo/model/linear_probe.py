@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvmemo import isa
 from kvmemo.model.linear_kernels import DECODE_ROWS, KERNELS, KernelChoice, Linear, kernel_usable
 from kvmemo.paths import cache_root
 
@@ -30,6 +31,15 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 3
 DECODE_PROBE_ROWS = (1, 16, 64)  # a single stream and batches of decodes
 PREFILL_PROBE_ROWS = 512  # a prefill chunk
+
+
+# What a kernel needs that a CPU may lack, for the error a forced kernel gets where it cannot run.
+_NEEDS = {
+    ("onednn", torch.bfloat16): " (oneDNN's bf16 needs avx512bw, avx512vl and avx512dq, or "
+                                "avx_ne_convert)",
+    ("skinny", torch.bfloat16): " (needs a C compiler)",
+    ("skinny", torch.float32): " (needs a C compiler)",
+}
 
 
 def cache_path() -> Path:
@@ -47,6 +57,13 @@ def choose_kernels(weights: Sequence[torch.Tensor], device: torch.device) -> Ker
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"KVMEMO_LINEAR_KERNEL must be one of {list(KERNELS)}, got {forced!r}")
+        if device.type == "cpu" and not kernel_usable(forced, dtype, device):
+            usable = [name for name in KERNELS if kernel_usable(name, dtype, device)]
+            raise ValueError(
+                f"KVMEMO_LINEAR_KERNEL={forced} cannot compute {str(dtype).removeprefix('torch.')}"
+                f" on this CPU at the {isa.active()} instruction-set level"
+                f"{_NEEDS.get((forced, dtype), '')}; allowed here: {', '.join(usable)}"
+            )
         return KernelChoice(decode=forced, prefill="torch" if forced == "skinny" else forced)
     if device.type != "cpu":
         return KernelChoice()
@@ -80,7 +97,8 @@ def _key(shapes: Sequence[tuple[int, int]], dtype: torch.dtype) -> str:
 
 
 def _cpu_identity() -> str:
-    """Model name, family/model numbers and feature flags: the VM names different CPUs alike."""
+    """Model name, family/model numbers and feature flags, and the active instruction-set level
+    (a forced level is another machine): the VM names different CPUs alike."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -91,7 +109,7 @@ def _cpu_identity() -> str:
         for name in wanted:
             if line.startswith(name) and name not in seen:
                 seen[name] = line
-    return "\n".join(seen.values()) or platform.machine()
+    return "\n".join([*seen.values(), f"isa {isa.active()}"]) or platform.machine()
 
 
 def _read_cache() -> dict:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvmemo import isa
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.gguf import load_gguf
 from kvmemo.model.image_processor import ImageInputSpec, ImageProcessorConfig
@@ -201,6 +202,8 @@ def load_model(
         ValueError: unsupported architecture, quantization type or dtype.
     """
     start = time.perf_counter()
+    isa.forced()  # a bad or unrunnable KVMEMO_ISA: one line before any file is read
+    isa.check_torch()
     if dtype != "auto":  # a bad name fails before any file is read
         dtype = resolve_dtype(dtype, weights, device)
     resolved = resolve_model_path(path)

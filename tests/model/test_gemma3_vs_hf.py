@@ -121,6 +121,7 @@ def test_chat_uses_gemmas_turn_format_and_equals_transformers(llm, hf) -> None:
     assert list(out.outputs[0].token_ids) == want
 
 
+@pytest.mark.native_isa_only
 def test_four_turn_conversation_past_the_window(llm, cold) -> None:
     """Each turn re-sends the history; caching serves it (window included) and changes
     nothing."""
@@ -147,6 +148,7 @@ def test_four_turn_conversation_past_the_window(llm, cold) -> None:
     assert all(h > 0 for h in hits[1:]), hits
 
 
+@pytest.mark.native_isa_only
 def test_requests_sharing_a_1500_token_prefix(llm, cold) -> None:
     tok = llm.engine.tokenizer
     prefix = tok(_text(120, 7)).input_ids[:1500]
@@ -172,6 +174,7 @@ def test_a_small_pool_evicts_and_stays_exact(gemma3_gguf, cold, prompts) -> None
     gc.collect()
 
 
+@pytest.mark.native_isa_only
 def test_a_4096_token_sequence_holds_only_the_window_in_sliding_layers(llm) -> None:
     """At most full_layers x 4,096 + sliding_layers x (512 + one block) tokens' worth of KV,
     read from the pool's counters at every decode step."""

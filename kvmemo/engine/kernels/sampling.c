@@ -9,7 +9,10 @@
  * finite, or whose total is 0, has no usable mass: out[r] is -1. Why: for 64 rows of a
  * 49,152-token vocabulary torch's path is four passes over 12.6 MB (divide, softmax, cumsum,
  * search) and two temporaries; here a row is read twice (max, then exp into a row buffer) and
- * its buffer summed once, all in L2.
+ * its buffer summed once, all in L2. The sums accumulate in double: a float sum of 49,152
+ * terms loses the smallest ones against the running total, and how many depends on how many
+ * SIMD lanes share the sum (a plain x86-64 build drew tokens 4e-5 of the CDF away, measured),
+ * so the draw would differ from CPU to CPU by more than rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,34 +43,34 @@ int kvmemo_sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t
                 float y = x[j] * inv;
                 top = y > top ? y : top;
             }
-            float total = 0.0f;
+            double total = 0.0;
 #pragma omp simd reduction(+ : total)
             for (int64_t j = 0; j < vocab; j++) {
                 float y = x[j] * inv;
                 e[j] = y == -INFINITY ? 0.0f : exp_poly(y - top);
-                total += e[j];
+                total += (double)e[j];
             }
-            if (!isfinite(top) || !isfinite(total) || !(total > 0.0f)) {
+            if (!isfinite(top) || !isfinite(total) || !(total > 0.0)) {
                 out[r] = -1;
                 continue;
             }
             /* The running sum in blocks: a block's sum is vectorised, and only the block
              * holding the target is walked one token at a time. */
-            const float target = uniforms[r] * total;
-            float running = 0.0f;
+            const double target = (double)uniforms[r] * total;
+            double running = 0.0;
             int64_t pick = -1;
             for (int64_t j0 = 0; j0 < vocab; j0 += 256) {
                 const int64_t end = j0 + 256 < vocab ? j0 + 256 : vocab;
-                float block = 0.0f;
+                double block = 0.0;
 #pragma omp simd reduction(+ : block)
-                for (int64_t j = j0; j < end; j++) block += e[j];
+                for (int64_t j = j0; j < end; j++) block += (double)e[j];
                 if (running + block <= target) {
                     running += block;
                     continue;
                 }
                 int64_t j = j0;
                 for (; j < end; j++) {
-                    running += e[j];
+                    running += (double)e[j];
                     if (running > target) break;
                 }
                 if (j < end) {

@@ -153,8 +153,8 @@ def build_w2(tokenizer: Any, seed: int = DEFAULT_SEED, num_conversations: int = 
 
 def bundled_tokenizer() -> Any:
     """The tokenizer of the bundled SmolLM2 GGUF, the one every engine's requests are built with."""
-    from kvmemo.model.loader import bundled_model_path, fingerprint_files
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+    from kvmemo.model.loading.loader import bundled_model_path, fingerprint_files
+    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
     path = Path(bundled_model_path())
     tokenizer = load_gguf_tokenizer(path, fingerprint_files([path], path.parent))

@@ -18,6 +18,7 @@ from functools import cache
 from pathlib import Path
 
 ENV = "KVMEMO_ISA"
+_SET_BY_KVMEMO = "KVMEMO_ISA_SET"  # the variables apply() set (not the user): children redo them
 
 
 class IsaError(ValueError):
@@ -120,15 +121,21 @@ def kernel_cflags() -> tuple[str, ...]:
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> None:
     """Tells torch, oneDNN and MKL the forced level through `environ` (a no-op without one).
-    Variables the user set explicitly win; this runs before torch reads them (see the module
-    docstring)."""
+    Variables the user set explicitly win; those a parent kvmemo process set for its own level
+    (named in KVMEMO_ISA_SET) give way, so a child may run at another level. This runs before
+    torch reads them (see the module docstring)."""
+    for name in filter(None, environ.pop(_SET_BY_KVMEMO, "").split(",")):
+        environ.pop(name, None)
     level = forced()
     if level is None:
         return
-    environ.setdefault("ATEN_CPU_CAPABILITY", level.aten)
-    environ.setdefault("ONEDNN_MAX_CPU_ISA", level.onednn)
-    environ.setdefault("DNNL_MAX_CPU_ISA", level.onednn)
-    environ.setdefault("MKL_ENABLE_INSTRUCTIONS", level.mkl)
+    wanted = {"ATEN_CPU_CAPABILITY": level.aten, "ONEDNN_MAX_CPU_ISA": level.onednn,
+              "DNNL_MAX_CPU_ISA": level.onednn, "MKL_ENABLE_INSTRUCTIONS": level.mkl}
+    set_here = [name for name in wanted if name not in environ]
+    for name in set_here:
+        environ[name] = wanted[name]
+    if set_here:
+        environ[_SET_BY_KVMEMO] = ",".join(set_here)
 
 
 def check_torch() -> None:

@@ -9,44 +9,14 @@ from __future__ import annotations
 
 import enum
 import time
-from bisect import bisect_right
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from kvmemo.kv.mm_items import MultiModalItem
 from kvmemo.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvmemo.kv.hashing import BlockHash, RequestHasher
-
-
-@dataclass(frozen=True, slots=True)
-class MultiModalItem:
-    """One image (or other item) in a prompt: where its placeholder tokens sit and what it is."""
-
-    offset: int  # index of the item's first placeholder token in the prompt
-    length: int  # number of placeholder tokens
-    content_hash: bytes  # sha256 over the processed content and processor settings
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
-
-
-_ITEM_END = attrgetter("end")  # MultiModalItem.end, as a bisect key
-
-
-def overlapping_items(items: Sequence[MultiModalItem], start: int, end: int) -> range:
-    """Indices of the items (sorted by offset, non-overlapping) whose range meets [start, end).
-
-    A bisect on the item ends: O(log items), whatever the prompt length.
-    """
-    first = bisect_right(items, start, key=_ITEM_END)  # first item ending after `start`
-    last = first
-    while last < len(items) and items[last].offset < end:
-        last += 1
-    return range(first, last)
 
 
 @dataclass(slots=True, eq=False)

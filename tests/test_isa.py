@@ -73,7 +73,7 @@ def test_a_forced_level_hides_the_flags_above_it(monkeypatch, cpu, level, kept, 
 
 
 def test_bf16_products_and_onednn_bf16_follow_the_forced_level(monkeypatch, cpu):
-    from kvmemo.model import linear_kernels
+    from kvmemo.model.layers import linear as linear_kernels
     from kvmemo.native import cpu_has_bf16_products
 
     cpu(AVX512_MACHINE)
@@ -89,12 +89,27 @@ def test_apply_tells_torch_onednn_and_mkl_and_leaves_what_the_user_set(monkeypat
     monkeypatch.setenv("KVMEMO_ISA", "scalar")
     environ = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     isa.apply(environ)
+    assert environ.pop("KVMEMO_ISA_SET") == "ATEN_CPU_CAPABILITY,ONEDNN_MAX_CPU_ISA,DNNL_MAX_CPU_ISA"
     assert environ == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
                        "DNNL_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     monkeypatch.setenv("KVMEMO_ISA", "native")
     untouched: dict[str, str] = {}
     isa.apply(untouched)
     assert untouched == {}
+
+
+def test_a_child_process_at_another_level_redoes_what_its_parent_set(monkeypatch, cpu):
+    cpu(AVX512_MACHINE)
+    monkeypatch.setenv("KVMEMO_ISA", "scalar")
+    environ = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # the user's
+    isa.apply(environ)  # the parent
+    monkeypatch.setenv("KVMEMO_ISA", "avx2")
+    isa.apply(environ)  # a child it started, asked for avx2
+    assert environ["ATEN_CPU_CAPABILITY"] == "avx2" and environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    monkeypatch.setenv("KVMEMO_ISA", "native")
+    isa.apply(environ)  # a grandchild at the CPU's own level
+    assert environ == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def _run(code: str, level: str) -> subprocess.CompletedProcess:
@@ -112,7 +127,7 @@ def test_importing_kvmemo_forces_torch_and_onednn_in_a_fresh_process(level, capa
         pytest.skip(f"this CPU runs {NATIVE}, below {level}")
     code = (
         "import kvmemo, torch\n"
-        "from kvmemo.model.linear_kernels import onednn_available\n"
+        "from kvmemo.model.layers.linear import onednn_available\n"
         "print(torch.backends.cpu.get_cpu_capability(), onednn_available(torch.bfloat16))\n"
     )
     result = _run(code, level)
@@ -143,7 +158,8 @@ def test_a_level_above_this_cpu_is_refused_by_the_cli():
 
 
 def test_a_forced_kernel_the_level_cannot_run_is_one_line_naming_the_options(monkeypatch, cpu):
-    from kvmemo.model import linear_kernels, linear_probe
+    from kvmemo.model.layers import linear as linear_kernels
+    from kvmemo.model.layers import linear_probe
 
     cpu(AVX512_MACHINE)
     monkeypatch.setenv("KVMEMO_ISA", "avx2")

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks.paths import RESULTS, ROOT  # noqa: E402
 from kvmemo import LLM, SamplingParams  # noqa: E402
-from kvmemo.model.loader import bundled_model_path  # noqa: E402
+from kvmemo.model.loading.loader import bundled_model_path  # noqa: E402
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS  # noqa: E402
 
 

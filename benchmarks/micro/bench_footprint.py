@@ -49,7 +49,7 @@ def _child(engine: str, model: str, start: float) -> dict:
     else:
         weights = engine.split(":")[1]
         from kvmemo import LLM, SamplingParams
-        from kvmemo.model.loader import bundled_model_path, packaged_gemma3_path
+        from kvmemo.model.loading.loader import bundled_model_path, packaged_gemma3_path
 
         path = packaged_gemma3_path() if model == "gemma3-270m" else bundled_model_path()
         llm = LLM(path, weights=weights, max_model_len=CONTEXT)

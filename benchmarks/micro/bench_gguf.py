@@ -45,8 +45,8 @@ def _peak_rss_bytes() -> int:
 
 def _kvmemo(model: str, dtype: str, weights: str) -> dict:
     from kvmemo import LLM, SamplingParams
-    from kvmemo.model.loader import bundled_model_path, packaged_gemma3_path
-    from kvmemo.model.registry import default_chat_template
+    from kvmemo.model.loading.loader import bundled_model_path, packaged_gemma3_path
+    from kvmemo.model.models.registry import default_chat_template
 
     path = packaged_gemma3_path() if model == "gemma3-270m" else bundled_model_path()
     start = time.perf_counter()

@@ -32,7 +32,7 @@ from benchmarks.machine_info import cpu_label
 from benchmarks.micro.bench_fp8 import TEXT, paged_logits, prompts
 from benchmarks.paths import RESULTS as RESULTS_DIR
 from kvmemo import LLM, SamplingParams
-from kvmemo.model.loader import bundled_model_path, packaged_gemma3_path
+from kvmemo.model.loading.loader import bundled_model_path, packaged_gemma3_path
 
 RESULTS = RESULTS_DIR / "native_quality.json"
 FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")

@@ -47,8 +47,8 @@ INSTANCE = {"id": "ABC-1234", "kind": "book", "score": 7.5,
 
 
 def _tokenizer():
-    from kvmemo.model.loader import bundled_model_path
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+    from kvmemo.model.loading.loader import bundled_model_path
+    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
     path = Path(bundled_model_path())
     return load_gguf_tokenizer(path, "bench-structured-" + path.name)

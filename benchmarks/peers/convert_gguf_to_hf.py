@@ -19,7 +19,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvmemo.model.loader import bundled_model_path
+    from kvmemo.model.loading.loader import bundled_model_path
 
     path = Path(bundled_model_path())
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

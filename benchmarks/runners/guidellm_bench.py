@@ -70,8 +70,8 @@ def main() -> None:
     args = parser.parse_args()
     if not GUIDELLM.exists():
         raise SystemExit(f"{GUIDELLM} is missing: run bash benchmarks/peers/setup_guidellm.sh")
-    from kvmemo.model.loader import bundled_model_path
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+    from kvmemo.model.loading.loader import bundled_model_path
+    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
     OUT.mkdir(parents=True, exist_ok=True)
     gguf = Path(bundled_model_path())

@@ -75,8 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     if not LM_EVAL.exists():
         sys.exit(f"{LM_EVAL} is missing: run bash benchmarks/peers/setup_lmeval.sh first")
-    from kvmemo.model.loader import bundled_model_path
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+    from kvmemo.model.loading.loader import bundled_model_path
+    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
     gguf = Path(args.model or bundled_model_path()).resolve()
     with tempfile.TemporaryDirectory(prefix="kvmemo-lmeval-") as tmp:

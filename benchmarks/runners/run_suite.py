@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
-    from kvmemo.model.loader import bundled_model_path
+    from kvmemo.model.loading.loader import bundled_model_path
 
     gguf = bundled_model_path()
     workload_dir = GENERATED_WORKLOADS

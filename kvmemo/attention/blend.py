@@ -19,7 +19,7 @@ from kvmemo.attention.cascade import (
     fold_query_groups,
     unfold_query_groups,
 )
-from kvmemo.model.layers import apply_rotary
+from kvmemo.model.layers.basic import apply_rotary
 
 
 def rerotate(

@@ -21,8 +21,12 @@ from typing import cast
 import torch
 
 from kvmemo.attention.cache import gather_pages
-from kvmemo.attention.cpu_kernel import load_decode_kernel
-from kvmemo.attention.flash_kernel import PackedKV, flash_attention, flash_attention_packed
+from kvmemo.attention.kernels.flash_attention import (
+    PackedKV,
+    flash_attention,
+    flash_attention_packed,
+)
+from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -116,7 +120,8 @@ def cascade_prefix_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query against the shared prefix's keys, no mask: o [T, Hq, D] and lse [T, Hq],
     fp32 contiguous (what a merge, or the decode kernel as its starting state, takes).
-    `packed`: the prefix's K/V packed by flash_kernel.pack_kv (read instead of the pages)."""
+    `packed`: the prefix's K/V packed by kernels.flash_attention.pack_kv (read instead of the
+    pages)."""
     result = None if packed is None else _prefix_attention(q, None, None, scale, packed)
     if result is None:
         k_prefix, v_prefix = prefix_kv(
@@ -399,7 +404,8 @@ def attention_with_lse_upto(
     """attention_with_lse for masks that end each row at a key (causal, padded lengths):
     o [B, H, Lq, D] (fp32 from the compiled kernel, else q's dtype) and fp32 lse [B, H, Lq].
 
-    CPU: kvmemo's flash kernel (flash_kernel.py, 2-4x torch's here) when it can run the call.
+    CPU: kvmemo's flash kernel (kernels/flash_attention.py, 2-4x torch's here) when it can run the
+    call.
     """
     if q.device.type == "cpu":
         result = flash_attention(q, k, v, last_key, scale)

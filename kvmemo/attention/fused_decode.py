@@ -19,8 +19,8 @@ import torch
 
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.cascade import cascade_prefix_state, prefix_kv
-from kvmemo.attention.cpu_kernel import DecodeKernel, load_decode_kernel
-from kvmemo.attention.flash_kernel import PackedKV, pack_kv
+from kvmemo.attention.kernels.flash_attention import PackedKV, pack_kv
+from kvmemo.attention.kernels.paged_decode import DecodeKernel, load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import StepPlan
 from kvmemo.attention.prefix_packs import PrefixKey, PrefixPacks

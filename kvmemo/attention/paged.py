@@ -26,8 +26,8 @@ from kvmemo.attention.cascade import (
     merge_attention_states,
     unfold_query_groups,
 )
-from kvmemo.attention.cpu_kernel import load_decode_kernel
-from kvmemo.attention.flash_kernel import flash_attention
+from kvmemo.attention.kernels.flash_attention import flash_attention
+from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 
@@ -295,8 +295,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """All decode sequences at once. Returns [B, Hq, D].
 
-    CPU: the compiled kernel reads every page in place (cpu_kernel.py). Elsewhere, or without a
-    compiler: gather the pages into workspace buffers, then one SDPA padded to the longest
+    CPU: the compiled kernel reads every page in place (kernels/paged_decode.py). Elsewhere, or
+    without a compiler: gather the pages into workspace buffers, then one SDPA padded to the longest
     sequence and masked.
     """
     assert plan.decode_block_ids is not None and plan.decode_seq_lens is not None
@@ -334,8 +334,9 @@ def prefill_attention(
     With a window (a sliding layer whose keys outnumber it), one masked SDPA that also hides
     keys more than window - 1 positions back.
 
-    CPU: kvmemo's flash kernel (flash_kernel.py) over cached and new keys at once; without it,
-    two mask-free torch flash calls merged by log-sum-exp, the cached keys without a mask and the
+    CPU: kvmemo's flash kernel (kernels/flash_attention.py) over cached and new keys at once;
+    without it, two mask-free torch flash calls merged by log-sum-exp, the cached keys without a
+    mask and the
     new keys with is_causal (which skips the upper triangle): no [Lq, Lk] mask is built and K/V
     heads are shared through the kernel's native grouped-query support. Elsewhere: one masked SDPA.
     """

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmemo.attention.flash_kernel import PackedKV
+from kvmemo.attention.kernels.flash_attention import PackedKV
 
 # Packed prefixes kept at most (K and V, all layers): 4,096 prefix tokens of SmolLM2 in fp32.
 MAX_BYTES = 192 * 2**20

@@ -36,8 +36,9 @@ from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.hybrid import HybridKVCacheManager
 from kvmemo.kv.manager import KVCacheManager
-from kvmemo.model.loader import load_model
-from kvmemo.model.native_linear import DenseCopies
+from kvmemo.model.layers.native_linear import DenseCopies
+from kvmemo.model.loading.loader import load_model
+from kvmemo.model.models.llama_fast import prepare as prepare_model
 from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmemo.request import Request, RequestStatus
 from kvmemo.sampling import SamplingParams
@@ -89,7 +90,7 @@ class Engine:
             parse_size_bytes(config.dense_cache_memory, "dense_cache_memory",
                              allow_zero=True))
         # Linear layers bind to the fastest kernels here (probed once per machine, cached).
-        self.linear_kernels = loaded.model.prepare_linears()
+        self.linear_kernels = prepare_model(loaded.model)
         if self.device.type == "cpu":
             return_freed_memory()  # plain weights oneDNN no longer reads
         arch = loaded.arch_config

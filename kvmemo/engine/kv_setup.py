@@ -27,7 +27,7 @@ from kvmemo.connector.tiered import TieredStore
 from kvmemo.errors import InputError
 from kvmemo.kv.hashing import namespace_root_hash
 from kvmemo.kv.layout import KVLayout, attention_type_groups, layer_slots
-from kvmemo.model.loader import LoadedModel
+from kvmemo.model.loading.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 

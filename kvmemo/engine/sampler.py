@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemo.engine.fused_sampling import can_sample_rows, sample_rows
+from kvmemo.engine.kernels.sampling import can_sample_rows, sample_rows
 from kvmemo.sampling import SamplingParams
 from kvmemo.structured.grammar import Constraint, allowed_token_masks
 
@@ -146,7 +146,7 @@ class Sampler:
     ) -> None:
         """Draws the token of each row in `rows` into token_ids by inverse CDF: one uniform per
         usable row from the row's own generator, in row order. A row sampled at its temperature
-        alone (no top-k/top-p/min-p) goes through the C kernel (fused_sampling.py) whatever
+        alone (no top-k/top-p/min-p) goes through the C kernel (kernels/sampling.py) whatever
         its neighbours ask, so a seeded request's tokens do not depend on its batch; the others
         through torch's softmax, cumsum and search (torch.multinomial drew a random per
         vocabulary entry: 48 ms for 64 rows of 49,152). A row with no usable probability mass

@@ -23,7 +23,8 @@ from kvmemo.engine.scheduler_output import (
 from kvmemo.errors import InputError
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.hybrid import AnyKVCacheManager
-from kvmemo.request import Request, RequestStatus, overlapping_items
+from kvmemo.kv.mm_items import overlapping_items
+from kvmemo.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector

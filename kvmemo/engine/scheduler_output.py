@@ -14,7 +14,7 @@ from kvmemo.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import ConnectorMetadata
-    from kvmemo.request import MultiModalItem
+    from kvmemo.kv.mm_items import MultiModalItem
     from kvmemo.structured.grammar import Constraint
 
 

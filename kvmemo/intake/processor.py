@@ -26,7 +26,7 @@ from kvmemo.intake.segments import (
     split_at_documents_marker,
     split_at_separator,
 )
-from kvmemo.request import MultiModalItem
+from kvmemo.kv.mm_items import MultiModalItem
 
 _ROLES = ("system", "user", "assistant", "tool")
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -265,7 +265,7 @@ class InputProcessor:
             if images:
                 raise ValueError("images: this model does not accept images")
             return ProcessedPrompt(token_ids, text)
-        from kvmemo.model.image_processor import content_hash, load_image, preprocess
+        from kvmemo.model.models.image_processor import content_hash, load_image, preprocess
 
         num_markers = token_ids.count(spec.image_token_id)
         if num_markers != len(images):

@@ -8,14 +8,31 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NewType, Union
+from typing import NewType, Protocol
 
-from kvmemo.request import overlapping_items
-
-if TYPE_CHECKING:
-    from kvmemo.request import MultiModalItem, Request
+from kvmemo.kv.mm_items import MultiModalItem, overlapping_items
 
 BlockHash = NewType("BlockHash", bytes)
+
+
+class HashedSequence(Protocol):
+    """What hashing reads of a sequence (a Request): its tokens, the hashes of its full blocks
+    so far (extended in place), its multimodal items, salt and reuse marker."""
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def block_hashes(self) -> list[BlockHash]: ...
+
+    @property
+    def mm_items(self) -> Sequence[MultiModalItem]: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
+    def kv_marker(self) -> tuple[int, str] | None: ...
 
 # sha256: collision resistant, the default. xxh3_128: several times faster but NOT collision
 # resistant: a tenant can craft a prompt whose block collides with another tenant's, so use it only
@@ -27,7 +44,7 @@ LAYOUT_VERSION = 1
 
 # One extra key: (mm content hash, block start - item offset), ("salt", salt) or
 # ("reuse", marker name).
-ExtraKey = Union[tuple[bytes, int], tuple[str, str]]
+ExtraKey = tuple[bytes, int] | tuple[str, str]
 ExtraKeys = tuple[ExtraKey, ...]
 
 _U32 = struct.Struct("<I")
@@ -110,7 +127,7 @@ def hash_block(
     return _digest(bytes(out), algorithm)
 
 
-def extra_keys_for_range(request: Request, start: int, end: int) -> ExtraKeys:
+def extra_keys_for_range(request: HashedSequence, start: int, end: int) -> ExtraKeys:
     """Extra keys of the token range [start, end) of `request`, in the order DESIGN.md fixes."""
     return _extra_keys(request.mm_items, request.cache_salt, start, end, request.kv_marker)
 
@@ -165,7 +182,7 @@ class RequestHasher:
         self.algorithm = algorithm
         self.num_hashed_blocks = 0  # hash computations so far, for tests and metrics
 
-    def extend(self, request: Request) -> None:
+    def extend(self, request: HashedSequence) -> None:
         """Appends the hash of every newly full block of request.all_token_ids.
 
         Called by the Request itself (Request.extend_block_hashes), whenever its tokens grow.
@@ -209,11 +226,11 @@ class RequestHasher:
             hashes.append(parent)
             self.num_hashed_blocks += 1
 
-    def extra_keys(self, request: Request, block_index: int) -> ExtraKeys:
+    def extra_keys(self, request: HashedSequence, block_index: int) -> ExtraKeys:
         """Extra keys of full block `block_index` of `request`."""
         start = block_index * self.block_size
         return extra_keys_for_range(request, start, start + self.block_size)
 
-    def parent_hash(self, request: Request, block_index: int) -> BlockHash:
+    def parent_hash(self, request: HashedSequence, block_index: int) -> BlockHash:
         """Hash of the block before `block_index` (the root for block 0); needs it extended."""
         return self.root if block_index == 0 else request.block_hashes[block_index - 1]

@@ -16,17 +16,17 @@ from kvmemo.kv.hashing import BlockHash, RequestHasher
 
 def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
     """(tokenizer, chat template, weights fingerprint) of a .gguf file or HF directory."""
-    from kvmemo.model.loader import checkpoint_fingerprint, resolve_model_path
+    from kvmemo.model.loading.loader import checkpoint_fingerprint, resolve_model_path
 
     path = resolve_model_path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path not found: {path}")
     if path.is_file():
-        from kvmemo.model.gguf_header import GGUFFile
-        from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+        from kvmemo.model.loading.gguf_header import GGUFFile
+        from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
         fingerprint = checkpoint_fingerprint(path)
-        from kvmemo.model.registry import ARCHITECTURES, default_chat_template
+        from kvmemo.model.models.registry import ARCHITECTURES, default_chat_template
 
         metadata = GGUFFile(path, max_array_len=0).header.metadata
         template = metadata.get("tokenizer.chat_template")

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 def default_model_name(model: str | None) -> str:
     """The served model name: the model file's stem or the directory's name."""
     if model is None:
-        from kvmemo.model.loader import bundled_model_path
+        from kvmemo.model.loading.loader import bundled_model_path
 
         model = bundled_model_path()
     path = Path(model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvmemo.attention import cascade, fused_decode, paged
-from kvmemo.attention.cpu_kernel import load_decode_kernel
+from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 
 
 @pytest.fixture(params=["kernel", "gather"])

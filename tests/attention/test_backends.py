@@ -210,7 +210,7 @@ def test_scales_matter_when_values_leave_the_fp8_range(magnitude):
 
 
 def test_the_fused_kv_write_steps_aside_for_groups_its_buffers_cannot_hold():
-    from kvmemo.attention.cpu_kernel import DecodeKernel
+    from kvmemo.attention.kernels.paged_decode import DecodeKernel
 
     q, kv = torch.zeros(2, 66, 64), torch.zeros(2, 2, 64)  # 33 query heads per kv head
     assert not DecodeKernel.write_fits(q, kv, kv)

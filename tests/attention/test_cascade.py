@@ -408,7 +408,7 @@ def test_groups_sharing_different_prefixes_each_go_through_cascade(any_prefix, g
 def kernel_calls(monkeypatch) -> list[bool]:
     """Per decode-kernel write_and_decode call this step, whether it started from a prefix's
     attention."""
-    from kvmemo.attention.cpu_kernel import DecodeKernel
+    from kvmemo.attention.kernels.paged_decode import DecodeKernel
 
     calls: list[bool] = []
     real = DecodeKernel.write_and_decode

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmemo.attention.cache import FP8_DTYPE
-from kvmemo.attention.cpu_kernel import load_decode_kernel
+from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, FP8_DTYPE]
 

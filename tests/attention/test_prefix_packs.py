@@ -11,7 +11,7 @@ import torch
 from kvmemo.attention import cascade, fused_decode
 from kvmemo.attention.backend import PagedAttentionBackend
 from kvmemo.attention.cache import PagedKVCache
-from kvmemo.attention.flash_kernel import pack_kv
+from kvmemo.attention.kernels.flash_attention import pack_kv
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.prefix_packs import PrefixPacks
 from kvmemo.attention.torch_ref import paged_attention_ref

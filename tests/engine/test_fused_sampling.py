@@ -1,4 +1,4 @@
-"""Temperature-only sampling through the C kernel (engine/fused_sampling.py) against the torch
+"""Temperature-only sampling through the C kernel (engine/kernels/sampling.py) against the torch
 path it replaces (softmax, cumsum, search for the same uniform), and the Sampler with the kernel
 on and off: the same tokens, the same random draws, unusable rows kept at their argmax."""
 
@@ -9,7 +9,7 @@ import torch
 
 import kvmemo.engine.sampler as sampler_module
 from kvmemo import SamplingParams
-from kvmemo.engine.fused_sampling import _kernel, sample_rows
+from kvmemo.engine.kernels.sampling import _kernel, sample_rows
 from kvmemo.engine.sampler import Sampler, _inverse_cdf
 
 needs_kernel = pytest.mark.skipif(_kernel() is None, reason="no C compiler for the kernel")

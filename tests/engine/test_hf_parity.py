@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvmemo import SamplingParams
-from kvmemo.model.linear_kernels import KernelChoice, kernel_usable
+from kvmemo.model.layers.linear import KernelChoice, kernel_usable
+from kvmemo.model.models.llama_fast import prepare
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS
 from tests.helpers import assert_all_blocks_free
 
@@ -76,14 +77,14 @@ def test_greedy_matches_hf_in_every_kernel_choice(llm, prompt_token_ids, hf_toke
         if not kernel_usable(name, torch.float32, torch.device("cpu")):
             pytest.skip(f"kernel {name} is not available here")
     probed = model.linear_choice
-    model.prepare_linears(choice)
+    prepare(model, choice)
     try:
         assert model.layers[0].qkv.choice == choice  # bound as forced, nothing fell back
         llm.reset_prefix_cache()
         outs = llm.generate(prompt_token_ids, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == hf_tokens
     finally:
-        model.prepare_linears(probed)
+        prepare(model, probed)
     assert_all_blocks_free(llm)
 
 

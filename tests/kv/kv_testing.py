@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvmemo.kv.hashing import RequestHasher, namespace_root_hash
 from kvmemo.kv.layout import KVLayout, full_attention_groups
 from kvmemo.kv.manager import KVCacheManager, PrefixMatch
-from kvmemo.request import MultiModalItem, Request
+from kvmemo.kv.mm_items import MultiModalItem
+from kvmemo.request import Request
 from kvmemo.sampling import SamplingParams
 
 

@@ -17,7 +17,7 @@ from kvmemo.kv.hashing import (
     hash_block,
     namespace_root_hash,
 )
-from kvmemo.request import MultiModalItem
+from kvmemo.kv.mm_items import MultiModalItem
 from tests.kv.kv_testing import make_hasher, make_request
 
 _NS = dict(weights_fingerprint="w1", kv_cache_dtype="bfloat16", block_size=16)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvmemo.kv.events import BlockRemoved
 from kvmemo.kv.manager import BlockCopy, KVCacheManager
-from kvmemo.request import MultiModalItem, Request
+from kvmemo.kv.mm_items import MultiModalItem
+from kvmemo.request import Request
 from tests.kv.kv_testing import admit, finish_step, hit_ids, make_manager, make_request, ref_counts
 
 

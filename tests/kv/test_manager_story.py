@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmemo.request import MultiModalItem
+from kvmemo.kv.mm_items import MultiModalItem
 from tests.kv.kv_testing import (
     admit,
     finish_step,

@@ -1,4 +1,4 @@
-"""A dense model's forward with the small ops in C (dense_forward.py): each op equals its torch
+"""A dense model's forward with the small ops in C (models/llama_fast.py, kernels/layer_ops.py): each op equals its torch
 arithmetic (fp32 to rounding, bf16 rounded once from fp32), whole decode steps and prefills
 equal the layer-by-layer forward, and greedy tokens equal the HF reference model's."""
 
@@ -8,15 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmemo.model import dense_forward
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.dense_attention import dense_causal_attention
-from kvmemo.model.dense_forward import DenseForward, add_rmsnorm, rope_, silu_mul
-from kvmemo.model.layers import apply_rotary
-from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.kernels import layer_ops
+from kvmemo.model.kernels.layer_ops import add_rmsnorm, rope_, silu_mul
+from kvmemo.model.layers.basic import apply_rotary
+from kvmemo.model.models.dense_attention import dense_causal_attention
+from kvmemo.model.models.llama import LlamaForCausalLM
+from kvmemo.model.models.llama_fast import DenseForward, prepare
 from tests.model.tiny import caching_attention, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not dense_forward.kernel_available(), reason="no C compiler")
+pytestmark = pytest.mark.skipif(not layer_ops.kernel_available(), reason="no C compiler")
 # bf16: one rounding of the fp32 result, which may land a bf16 ulp apart where the compiler fuses
 # a multiply-add that torch rounds twice
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -68,12 +69,12 @@ def test_silu_mul_rounds_once(dtype) -> None:
                                atol=atol)
 
 
-def _tiny(kind: str, dtype: torch.dtype, prepare: bool = True) -> LlamaForCausalLM:
+def _tiny(kind: str, dtype: torch.dtype, bind: bool = True) -> LlamaForCausalLM:
     hf = tiny_hf_model(kind)
     config = ModelArchConfig.from_hf_config(hf.config.to_dict())
     model = LlamaForCausalLM.from_state_dict(config, hf.state_dict(), dtype=dtype)
-    if prepare:
-        model.prepare_linears()
+    if bind:
+        prepare(model)
     return model
 
 
@@ -124,7 +125,7 @@ def test_the_c_path_takes_plain_llama_layers_in_fp32_or_bf16_only() -> None:
     model.layers[0].mlp.activation = "gelu_pytorch_tanh"  # not SiLU: torch's path
     assert not DenseForward.fits(model)
     model.layers[0].mlp.activation = "silu"
-    model = _tiny("llama", torch.float16, prepare=False)  # no fp16 in layer_ops.c
+    model = _tiny("llama", torch.float16, bind=False)  # no fp16 in layer_ops.c
     assert not DenseForward.fits(model)
 
 

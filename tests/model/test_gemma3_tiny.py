@@ -12,7 +12,7 @@ import torch
 from kvmemo import LLM, SamplingParams
 from kvmemo.kv.layout import attention_type_groups
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.safetensors_loader import read_raw_config
+from kvmemo.model.loading.safetensors import read_raw_config
 from tests.model.tiny_gemma3 import LAYER_TYPES, WINDOW, save_tiny_gemma3
 
 NUM_NEW = 12

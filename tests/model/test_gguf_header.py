@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
 
-from kvmemo.model.gguf_header import GGUFFile, parse_gguf_header
-from kvmemo.model.loader import bundled_model_path
+from kvmemo.model.loading.gguf_header import GGUFFile, parse_gguf_header
+from kvmemo.model.loading.loader import bundled_model_path
 
 V = GGUFValueType
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from kvmemo.model.gguf import (
+from kvmemo.model.loading.gguf import (
     SUPPORTED_QUANT_TYPES,
     llama_permute,
     load_gguf,
     read_gguf,
     reverse_llama_permute,
 )
-from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.models.llama import LlamaForCausalLM
 from tests.model.tiny import tiny_hf_model
 
 Q = GGMLQuantizationType

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmemo import LLM, SamplingParams
-from kvmemo.model.greedy_head import GreedyHead, relative_error_bound
+from kvmemo.model.layers.greedy_head import GreedyHead, relative_error_bound
 
 needs_head = pytest.mark.skipif(
     not GreedyHead.available(torch.zeros(1, 1)),

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmemo.model import linear_kernels, linear_probe
-from kvmemo.model.linear_kernels import KERNELS, KernelChoice, Linear, kernel_usable
+from kvmemo.model.layers import linear as linear_kernels
+from kvmemo.model.layers import linear_probe
+from kvmemo.model.layers.linear import KERNELS, KernelChoice, Linear, kernel_usable
+from kvmemo.model.models.llama_fast import prepare
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
@@ -145,7 +147,7 @@ def test_environment_forces_a_kernel(probe_cache, monkeypatch):
 
 def tiny_model(tie: bool):
     from kvmemo.model.config import ModelArchConfig
-    from kvmemo.model.llama import LlamaForCausalLM
+    from kvmemo.model.models.llama import LlamaForCausalLM
     from tests.model.tiny import tiny_hf_model
 
     hf = tiny_hf_model("llama")
@@ -166,17 +168,17 @@ def test_packed_kernels_release_the_plain_weights_and_rebinding_restores_them(ti
     model = tiny_model(tie)
     plain = {name: p.detach().clone() for name, p in model.named_parameters()}
     ids = torch.arange(3, 40)
-    model.prepare_linears(KernelChoice("torch", "torch"))
+    prepare(model, KernelChoice("torch", "torch"))
     expected = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
 
-    model.prepare_linears(packed)
+    prepare(model, packed)
     projections = [n for n in plain if n.endswith("proj.weight") or (n == "lm_head.weight" and not tie)]
     assert projections and all(model.get_parameter(n).numel() == 0 for n in projections)
     assert model.embed_tokens.weight.numel() > 0  # read by lookups (and by a tied head)
     got = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
-    model.prepare_linears(KernelChoice("torch", "onednn"))  # reads plain weights again
+    prepare(model, KernelChoice("torch", "onednn"))  # reads plain weights again
     for name, value in plain.items():
         assert torch.equal(model.get_parameter(name), value), name  # rebuilt exactly
     again = model.compute_logits(model(ids, torch.arange(len(ids)), caching_attention()[0]))
@@ -215,10 +217,10 @@ def test_the_head_is_packed_once_where_the_few_row_gemm_serves_decode(tie):
 
     model = tiny_model(tie)
     ids = torch.arange(3, 40)
-    model.prepare_linears(KernelChoice("torch", "torch"))
+    prepare(model, KernelChoice("torch", "torch"))
     hidden = model(ids, torch.arange(len(ids)), caching_attention()[0])
     expected = model.compute_logits(hidden)
-    model.prepare_linears(KernelChoice("skinny", "onednn"))
+    prepare(model, KernelChoice("skinny", "onednn"))
     assert model.head.choice == KernelChoice("skinny", "skinny")
     weight = model.head.dense()
     assert model.head.packed_bytes < 2 * weight.numel() * weight.element_size()  # one copy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmemo.model.loader import load_model
+from kvmemo.model.loading.loader import load_model
 from tests.model.tiny import tiny_hf_model
 
 
@@ -49,7 +49,7 @@ def test_bf16_model(tmp_path) -> None:
     assert model.embed_tokens.weight.dtype == torch.float32
     assert model.layers[0].input_layernorm.weight.dtype == torch.float32
     assert model.norm.weight.dtype == torch.float32
-    from kvmemo.model.dense_attention import dense_causal_attention
+    from kvmemo.model.models.dense_attention import dense_causal_attention
 
     seen: list[torch.dtype] = []
 
@@ -94,7 +94,7 @@ def test_unsupported_dtype() -> None:
     ],
 )
 def test_auto_dtype_follows_the_cpu(monkeypatch, flags, weights, expected) -> None:
-    from kvmemo.model.loader import resolve_dtype
+    from kvmemo.model.loading.loader import resolve_dtype
 
     monkeypatch.delenv("KVMEMO_DTYPE", raising=False)
     monkeypatch.setattr("kvmemo.native.cpu_flags", lambda: flags)
@@ -102,7 +102,7 @@ def test_auto_dtype_follows_the_cpu(monkeypatch, flags, weights, expected) -> No
 
 
 def test_dtype_names_and_override(monkeypatch) -> None:
-    from kvmemo.model.loader import resolve_dtype
+    from kvmemo.model.loading.loader import resolve_dtype
 
     monkeypatch.setattr("kvmemo.native.cpu_flags", lambda: "flags : avx512_bf16")
     monkeypatch.setenv("KVMEMO_DTYPE", "float32")

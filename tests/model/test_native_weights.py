@@ -14,12 +14,13 @@ from gguf import GGMLQuantizationType as Q
 
 from kvmemo import LLM, SamplingParams
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.model.dense_attention import dense_causal_attention
-from kvmemo.model.gguf import load_gguf
-from kvmemo.model.llama import LlamaForCausalLM
-from kvmemo.model.native_linear import DenseCopies, NativeLinear
-from kvmemo.model.quant_int8 import GROUP, quantize_activations
-from kvmemo.model.quant_linear import QuantizedWeight, native_kernel_available
+from kvmemo.model.kernels.quant_int8 import GROUP, quantize_activations
+from kvmemo.model.kernels.quant_linear import QuantizedWeight, native_kernel_available
+from kvmemo.model.layers.native_linear import DenseCopies, NativeLinear
+from kvmemo.model.loading.gguf import load_gguf
+from kvmemo.model.models.dense_attention import dense_causal_attention
+from kvmemo.model.models.llama import LlamaForCausalLM
+from kvmemo.model.models.llama_fast import prepare
 from tests.model.test_gguf_reader import _tiny_llama_gguf
 from tests.model.tiny import tiny_hf_model
 
@@ -71,7 +72,7 @@ def _greedy(model: LlamaForCausalLM, prompt: torch.Tensor, attention, steps: int
 
 def test_fused_decode_step_computes_the_layer() -> None:
     """A file whose projections are all int8-kernel types takes the fused decode step
-    (native_layer.py): the same logits as the layer's own forward over the same kernels, and
+    (models/llama_fast.py): the same logits as the layer's own forward over the same kernels, and
     within the int8 rounding of the dense model's."""
     path_types = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q5_1, "attn_output": Q.Q4_1,
                   "ffn_gate": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
@@ -83,7 +84,7 @@ def test_fused_decode_step_computes_the_layer() -> None:
         dense, native = load_gguf(path), load_gguf(path, native=True)
     config = dense.arch_config
     models = [LlamaForCausalLM.from_state_dict(config, c.state_dict) for c in (dense, native)]
-    models[1].prepare_linears()
+    prepare(models[1])
     layers = list(models[1].layers)
     assert all(layer.fused_step is not None for layer in layers)
     attention = dense_causal_attention(config.num_attention_heads, config.num_key_value_heads)
@@ -184,7 +185,7 @@ def test_dense_copies_serve_batched_rows_within_their_budget() -> None:
 
 
 def test_auto_weights_are_native_for_a_gguf_on_cpu(tmp_path, monkeypatch) -> None:
-    from kvmemo.model.loader import bundled_model_path, resolve_weights_mode
+    from kvmemo.model.loading.loader import bundled_model_path, resolve_weights_mode
 
     gguf = Path(bundled_model_path())
     monkeypatch.delenv("KVMEMO_WEIGHTS", raising=False)
@@ -201,7 +202,7 @@ def test_auto_weights_are_native_for_a_gguf_on_cpu(tmp_path, monkeypatch) -> Non
 
 @pytest.mark.parametrize("native", [False, True], ids=["dense", "native"])
 def test_a_truncated_gguf_names_the_tensor_cut_off(tmp_path, native: bool) -> None:
-    from kvmemo.model.loader import bundled_model_path
+    from kvmemo.model.loading.loader import bundled_model_path
 
     data = Path(bundled_model_path()).read_bytes()
     cut = tmp_path / "cut.gguf"
@@ -211,7 +212,7 @@ def test_a_truncated_gguf_names_the_tensor_cut_off(tmp_path, native: bool) -> No
 
 
 def test_a_type_the_kernels_do_not_read_loads_dense_in_native_mode(tmp_path, monkeypatch) -> None:
-    import kvmemo.model.gguf as gguf_module
+    import kvmemo.model.loading.gguf as gguf_module
 
     path = tmp_path / "mixed.gguf"
     _mixed_gguf(path)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.dense_attention import dense_causal_attention
-from kvmemo.model.layers import RotaryEmbedding
-from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.layers.basic import RotaryEmbedding
+from kvmemo.model.models.dense_attention import dense_causal_attention
+from kvmemo.model.models.llama import LlamaForCausalLM
 from tests.model.tiny import caching_attention, tiny_hf_model
 
 

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvmemo.model import quant_int8
-from kvmemo.model.layers import apply_rotary
-from kvmemo.model.quant_int8 import (
+from kvmemo.model.kernels import quant_int8
+from kvmemo.model.kernels.quant_int8 import (
     GROUP,
     INT8_TYPES,
     Fused,
@@ -31,7 +30,8 @@ from kvmemo.model.quant_int8 import (
     mlp_block,
     quantize_activations,
 )
-from kvmemo.model.quant_linear import QuantizedWeight
+from kvmemo.model.kernels.quant_linear import QuantizedWeight
+from kvmemo.model.layers.basic import apply_rotary
 from kvmemo.native import cpu_flags as native_cpu_flags
 from tests.model.test_quant_linear import random_blocks
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kvmemo.model.quant_linear import (
+from kvmemo.model.kernels.quant_linear import (
     NATIVE_TYPES,
     QuantizedWeight,
     native_kernel_available,

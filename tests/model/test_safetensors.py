@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from kvmemo.model.dense_attention import dense_causal_attention
-from kvmemo.model.llama import LlamaForCausalLM
-from kvmemo.model.safetensors_loader import load_safetensors_dir
+from kvmemo.model.loading.safetensors import load_safetensors_dir
+from kvmemo.model.models.dense_attention import dense_causal_attention
+from kvmemo.model.models.llama import LlamaForCausalLM
 from tests.model.tiny import tiny_hf_model
 
 

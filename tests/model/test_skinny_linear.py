@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmemo.model import skinny_linear
-from kvmemo.model.skinny_linear import MAX_ROWS, linear, pack, unpack
+from kvmemo.model.kernels import skinny_linear
+from kvmemo.model.kernels.skinny_linear import MAX_ROWS, linear, pack, unpack
 from kvmemo.native import load_library
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=1e-2, atol=2e-2)}

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmemo.model.dense_attention import dense_causal_attention
-from kvmemo.model.loader import LoadedModel, bundled_model_path, load_model
+from kvmemo.model.loading.loader import LoadedModel, bundled_model_path, load_model
+from kvmemo.model.models.dense_attention import dense_causal_attention
 
 pytestmark = pytest.mark.model
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]

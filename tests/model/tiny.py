@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmemo.model.llama import AttentionFn
+from kvmemo.model.layers.basic import AttentionFn
 
 TINY_DIMS = dict(
     vocab_size=97,

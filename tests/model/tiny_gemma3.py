@@ -16,8 +16,8 @@ def save_tiny_gemma3(directory: Path, seed: int = 0) -> torch.nn.Module:
     unlike head_dim, so the scale is tested) and returns it (fp32, eval)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from kvmemo.model.loader import bundled_model_path, fingerprint_files
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+    from kvmemo.model.loading.loader import bundled_model_path, fingerprint_files
+    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
     gguf = Path(bundled_model_path())
     tokenizer = load_gguf_tokenizer(gguf, fingerprint_files([gguf], gguf.parent))

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from kvmemo import SamplingParams
-from kvmemo.model.image_processor import ImageProcessorConfig, content_hash, load_image, preprocess
+from kvmemo.model.models.image_processor import (
+    ImageProcessorConfig,
+    content_hash,
+    load_image,
+    preprocess,
+)
 from tests.multimodal.tiny_llava import NUM_IMAGE_TOKENS, picture
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -134,7 +139,7 @@ def test_bad_images_raise_value_error(source, match) -> None:
 
 
 def test_oversized_image_is_refused(monkeypatch) -> None:
-    import kvmemo.model.image_processor as image_processor
+    import kvmemo.model.models.image_processor as image_processor
 
     monkeypatch.setattr(image_processor, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ValueError, match="outside the allowed"):
@@ -172,8 +177,8 @@ def _relayout(state_dict: dict, style: str) -> dict:
 def test_other_checkpoint_layouts_load_the_same(llava, llm_off, style) -> None:
     import json
 
-    from kvmemo.model.llava import LlavaConfig, LlavaForConditionalGeneration
-    from kvmemo.model.safetensors_loader import load_state_dict
+    from kvmemo.model.loading.safetensors import load_state_dict
+    from kvmemo.model.models.llava import LlavaConfig, LlavaForConditionalGeneration
 
     raw = json.loads((llava[0] / "config.json").read_text())
     config = LlavaConfig.from_hf(raw)
@@ -187,7 +192,7 @@ def test_other_checkpoint_layouts_load_the_same(llava, llm_off, style) -> None:
 
 
 def test_sparse_llava_15_config_takes_llama_defaults() -> None:
-    from kvmemo.model.llava import LlavaConfig
+    from kvmemo.model.models.llava import LlavaConfig
 
     # llava-hf/llava-1.5-7b-hf's config.json, abridged: the text config lists only differences.
     raw = {

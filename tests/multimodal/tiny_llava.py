@@ -39,8 +39,8 @@ def save_random_llava(
     )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from kvmemo.model.loader import bundled_model_path, fingerprint_files
-    from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+    from kvmemo.model.loading.loader import bundled_model_path, fingerprint_files
+    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 
     gguf = Path(bundled_model_path())
     tokenizer = load_gguf_tokenizer(gguf, fingerprint_files([gguf], gguf.parent))

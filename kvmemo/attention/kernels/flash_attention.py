@@ -26,7 +26,7 @@ import torch
 
 from kvmemo.native import load_library
 
-SOURCE = Path(__file__).with_name("kernels") / "flash_attention.c"
+SOURCE = Path(__file__).with_name("flash_attention.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p = ctypes.c_void_p

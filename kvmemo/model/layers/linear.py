@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmemo import isa
-from kvmemo.model import skinny_linear
+from kvmemo.model.kernels import skinny_linear
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.linear_kernels import KernelChoice
-from kvmemo.model.llama import AttentionFn, LlamaForCausalLM
-from kvmemo.model.vision import VisionConfig, VisionTower, activation, adopt_weights
+from kvmemo.model.layers.basic import AttentionFn
+from kvmemo.model.layers.linear import KernelChoice
+from kvmemo.model.models.llama import LlamaForCausalLM
+from kvmemo.model.models.vision import VisionConfig, VisionTower, activation, adopt_weights
 
 # Checkpoint key prefixes of every transformers generation -> one canonical form. LLaVA-1.5
 # (llava-hf/*) and transformers 5 save "language_model.model.*"; transformers 4.52-4.57 save

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kvmemo.native import load_library
 
-SOURCE = Path(__file__).with_name("kernels") / "skinny_linear.c"
+SOURCE = Path(__file__).with_name("skinny_linear.c")
 # The decode class. Up to here the kernel beat oneDNN with weights from DRAM (Zen 5, 150 products:
 # 64 rows fp32 28.3 vs 34.9 ms, bf16 14.4 vs 19.0; 128 rows 53.5 vs 59.2, 27.6 vs 32.0); from
 # ~1,000 rows, where x no longer stays in L2 across a weight's panels, oneDNN is ahead.

@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated SiLU MLP.
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, gated SiLU MLP, and the
+callable types a decoder is handed (attention) or bound to (fast paths).
 
 Tensors are flattened token batches [T, ...]; RoPE is rotate-half (GPT-NeoX / HF Llama) style and
 indexed by an explicit per-token positions tensor, never by 0..T-1.
@@ -7,13 +8,34 @@ indexed by an explicit per-token positions tensor, never by 0..T-1.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmemo.model.linear_kernels import KernelChoice, Linear
+from kvmemo.model.layers.linear import KernelChoice, Linear
+
+# attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class FastLayerStep(Protocol):
+    """A decoder layer's forward by other kernels (models/llama_fast.py) for the steps it serves."""
+
+    def serves(self, rows: int) -> bool: ...
+
+    def __call__(self, layer_idx: int, hidden: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor: ...
+
+
+class FastForward(Protocol):
+    """A whole decoder stack's forward by other kernels: fp32 embeddings [T, C] (not modified) ->
+    the final-normed hidden states [T, C] fp32 (models/llama_fast.py)."""
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 attention: AttentionFn) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvmemo import isa
-from kvmemo.model.linear_kernels import DECODE_ROWS, KERNELS, KernelChoice, Linear, kernel_usable
+from kvmemo.model.layers.linear import DECODE_ROWS, KERNELS, KernelChoice, Linear, kernel_usable
 from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 from gguf import GGMLQuantizationType
 
-from kvmemo.model.quant_linear import QuantizedWeight
+from kvmemo.model.kernels.quant_linear import QuantizedWeight
 from kvmemo.native import load_library
 
-SOURCE = Path(__file__).with_name("kernels") / "quant_int8.c"
+SOURCE = Path(__file__).with_name("quant_int8.c")
 T = GGMLQuantizationType
 INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 BLOCK = 32  # values per weight run (the kernel's unit; K must be a multiple)

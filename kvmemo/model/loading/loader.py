@@ -22,20 +22,20 @@ import torch
 
 from kvmemo import isa
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.gguf import load_gguf
-from kvmemo.model.image_processor import ImageInputSpec, ImageProcessorConfig
-from kvmemo.model.llama import LlamaForCausalLM
-from kvmemo.model.llava import LlavaConfig, LlavaForConditionalGeneration
-from kvmemo.model.quant_linear import QuantizedWeight
-from kvmemo.model.registry import architecture_spec, default_chat_template
-from kvmemo.model.safetensors_loader import (
+from kvmemo.model.kernels.quant_linear import QuantizedWeight
+from kvmemo.model.loading.gguf import load_gguf
+from kvmemo.model.loading.safetensors import (
     load_safetensors_dir,
     load_state_dict,
     merge_generation_eos,
     read_raw_config,
     safetensors_files,
 )
-from kvmemo.model.tokenizer_cache import load_gguf_tokenizer
+from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
+from kvmemo.model.models.image_processor import ImageInputSpec, ImageProcessorConfig
+from kvmemo.model.models.llama import LlamaForCausalLM
+from kvmemo.model.models.llava import LlavaConfig, LlavaForConditionalGeneration
+from kvmemo.model.models.registry import architecture_spec, default_chat_template
 from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def resolve_weights_mode(weights: str, path: Path, device: str) -> str:
         raise ValueError(f"KVMEMO_WEIGHTS={chosen!r}; allowed: dense, native")
     if chosen == "dense":
         return "dense"
-    from kvmemo.model.quant_int8 import int8_kernel_available
+    from kvmemo.model.kernels.quant_int8 import int8_kernel_available
 
     gguf_on_cpu = path.is_file() and path.suffix == ".gguf" and torch.device(device).type == "cpu"
     # native (asked for or not) where it can run: a GGUF on CPU with the kernels built

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvmemo.model import quant_int8
-from kvmemo.model.linear_kernels import onednn_available, onednn_matmul
-from kvmemo.model.quant_linear import QuantizedWeight, quant_linear
+from kvmemo.model.kernels import quant_int8
+from kvmemo.model.kernels.quant_linear import QuantizedWeight, quant_linear
+from kvmemo.model.layers.linear import onednn_available, onednn_matmul
 
 # The kernels up to this many rows, dequantize + oneDNN above: a 32-row decode batch ran faster
 # in the kernel (dequantizing Gemma's 262k-row head every step cost more).

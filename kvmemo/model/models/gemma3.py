@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kvmemo.model.config import SLIDING_ATTENTION, ModelArchConfig
-from kvmemo.model.layers import GemmaRMSNorm, RotaryEmbedding
-from kvmemo.model.llama import AttentionFn, DecoderLayer, LlamaForCausalLM
+from kvmemo.model.layers.basic import AttentionFn, GemmaRMSNorm, RotaryEmbedding
+from kvmemo.model.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Gemma3DecoderLayer(DecoderLayer):

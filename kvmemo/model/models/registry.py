@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib.resources import files
 
-from kvmemo.model.gemma3 import Gemma3ForCausalLM
-from kvmemo.model.llama import LlamaForCausalLM
+from kvmemo.model.models.gemma3 import Gemma3ForCausalLM
+from kvmemo.model.models.llama import LlamaForCausalLM
 
 # llama.cpp per-layer tensor name -> HF name, for the Llama family (weights and biases alike).
 LLAMA_GGUF_LAYER_NAMES = {
@@ -78,4 +78,4 @@ def default_chat_template(architecture: str) -> str | None:
     name = architecture_spec(architecture).chat_template_file
     if name is None:
         return None
-    return files("kvmemo.model").joinpath("chat_templates", name).read_text()
+    return files("kvmemo.model.models").joinpath("chat_templates", name).read_text()

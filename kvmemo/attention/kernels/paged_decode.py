@@ -18,7 +18,7 @@ import torch
 from kvmemo.attention.cache import FP8_DTYPE
 from kvmemo.native import load_library
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+SOURCE = Path(__file__).with_name("paged_decode.c")
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, FP8_DTYPE: 3}
 MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the C kernel's fixed tile buffers
 IO_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # write_and_decode's q/k/v/out dtypes

@@ -1,5 +1,6 @@
 """Greedy tokens from the lm_head without its full fp32 product: a bf16 product, then an exact
-fp32 check of the few tokens that can still win (kernels/greedy_head.c).
+fp32 check of the few tokens that can still win (kernels/greedy_head.c, loaded by
+kernels/greedy_head.py).
 
 Invariant: `GreedyHead(w)(x)[r]` is argmax_j of the fp32 dot(x[r], w[j]) (the smallest j on a
 tie), the token the fp32 head's argmax gives up to its own summation order, or -1 for a row the
@@ -21,31 +22,14 @@ an approximation there, as in any bf16 engine, not the exact argmax above.
 
 from __future__ import annotations
 
-import ctypes
 import os
-from functools import cache
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-from kvmemo.model import skinny_linear
-from kvmemo.model.linear_kernels import KernelChoice, Linear, kernel_usable, onednn_available
-from kvmemo.native import cpu_has_bf16_products, load_library
-
-SOURCE = Path(__file__).with_name("kernels") / "greedy_head.c"
-
-
-@cache
-def _kernel() -> Callable[..., None] | None:
-    library = load_library(SOURCE, "greedy decoding reads the full fp32 head")
-    if library is None:
-        return None
-    fn = library.kvmemo_refine_argmax
-    fn.restype = None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i64, i64, i64, p, i64, p, p, p, p]
-    return fn
+from kvmemo.model.kernels import skinny_linear
+from kvmemo.model.kernels.greedy_head import refine_argmax_kernel
+from kvmemo.model.layers.linear import KernelChoice, Linear, kernel_usable, onednn_available
+from kvmemo.native import cpu_has_bf16_products
 
 
 def relative_error_bound(dim: int) -> float:
@@ -91,7 +75,7 @@ class GreedyHead:
             and cpu_has_bf16_products()
             and (kernel_usable("skinny", torch.bfloat16, weight.device)
                  or onednn_available(torch.bfloat16))
-            and _kernel() is not None
+            and refine_argmax_kernel() is not None
         )
 
     @property
@@ -119,7 +103,7 @@ class GreedyHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> int64 [N] token ids, -1 where the row needs the full head."""
-        kernel = _kernel()
+        kernel = refine_argmax_kernel()
         assert kernel is not None
         x = hidden.float().contiguous()
         coarse = self.coarse(x.to(torch.bfloat16))  # [N, V] bf16

@@ -21,7 +21,7 @@ import torch
 
 from kvmemo.native import load_library
 
-SOURCE = Path(__file__).with_name("kernels") / "sampling.c"
+SOURCE = Path(__file__).with_name("sampling.c")
 
 
 @cache

@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_from_byte_shape
 
 from kvmemo.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
-from kvmemo.model.gguf_header import GGUFFile, TensorInfo
-from kvmemo.model.quant_linear import NATIVE_TYPES, QuantizedWeight
-from kvmemo.model.registry import LLAMA_GGUF_LAYER_NAMES, architecture_spec
+from kvmemo.model.kernels.quant_linear import NATIVE_TYPES, QuantizedWeight
+from kvmemo.model.loading.gguf_header import GGUFFile, TensorInfo
+from kvmemo.model.models.registry import LLAMA_GGUF_LAYER_NAMES, architecture_spec
 
 # F32/F16 are plain views; every other type is whatever gguf.quants implements (Q4_0..Q8_0,
 # K-quants, IQ*, BF16, ...). Read from the package so an upgrade widens support automatically.

@@ -6,24 +6,27 @@ injected attention callable, which owns both. Projections are fused (qkv, gate_u
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import cast
 
 import torch
 from torch import nn
 
 from kvmemo.model.config import ModelArchConfig
-from kvmemo.model.dense_forward import DenseForward
-from kvmemo.model.greedy_head import GreedyHead
-from kvmemo.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
-from kvmemo.model.linear_kernels import KernelChoice, Linear
-from kvmemo.model.linear_probe import choose_kernels
-from kvmemo.model.native_layer import FusedDecodeStep
-from kvmemo.model.native_linear import DenseCopies, NativeLinear
-from kvmemo.model.quant_linear import QuantizedWeight
-
-# attention(layer_idx, q [T, H, D], k [T, KV, D], v [T, KV, D]) -> [T, H, D]; RoPE already applied.
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from kvmemo.model.kernels.quant_linear import QuantizedWeight
+from kvmemo.model.layers.basic import (
+    AttentionFn,
+    FastForward,
+    FastLayerStep,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
+from kvmemo.model.layers.greedy_head import GreedyHead
+from kvmemo.model.layers.linear import KernelChoice, Linear
+from kvmemo.model.layers.linear_probe import choose_kernels
+from kvmemo.model.layers.native_linear import DenseCopies, NativeLinear
 
 
 class DecoderLayer(nn.Module):
@@ -53,8 +56,10 @@ class DecoderLayer(nn.Module):
     def linear_weights(self) -> list[torch.Tensor]:
         return [self.qkv_proj.weight, self.o_proj.weight, *self.mlp.linear_weights()]
 
-    # Native weights' decode step in two kernel calls (native_layer.py), set when it fits.
-    fused_step: FusedDecodeStep | None = None
+    # Native weights' decode step in two kernel calls (llama_fast.FusedDecodeStep), bound from
+    # outside when it fits.
+    fused_step: FastLayerStep | None = None
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """The projections' (and attention's) dtype: their weights'. The residual stream
@@ -154,10 +159,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.linear_choice: KernelChoice | None = None  # set by prepare_linears
-        # The forward with its small ops in C, bound by prepare_linears when the model fits
-        # (dense_forward.py).
-        self.dense_forward: DenseForward | None = None
-        # Greedy rows' tokens without the full fp32 head (greedy_head.py), bound likewise.
+        # The forward with its small ops in C (llama_fast.DenseForward), bound from outside when
+        # the model fits.
+        self.dense_forward: FastForward | None = None
+        # Greedy rows' tokens without the full fp32 head (layers/greedy_head.py), bound by
+        # prepare_linears.
         self.greedy_head: GreedyHead | None = None
         self._plain_released = False
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
@@ -183,7 +189,6 @@ class LlamaForCausalLM(nn.Module):
             layer.o = native(p + "o_proj.weight", layer.o_proj.bias)  # type: ignore[assignment]
             layer.mlp.gate_up = native(p + "mlp.gate_up_proj.weight")
             layer.mlp.down = native(p + "mlp.down_proj.weight")  # type: ignore[assignment]
-            layer.fused_step = FusedDecodeStep(layer) if FusedDecodeStep.fits(layer) else None
         head = "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.head = native(head)
         self.linear_choice = KernelChoice()  # recorded; NativeLinear picks per call
@@ -203,13 +208,17 @@ class LlamaForCausalLM(nn.Module):
     def prepare_linears(self, choice: KernelChoice | None = None) -> KernelChoice:
         """Binds every projection to its kernels: `choice`, else the fastest on this machine
         (linear_probe, cached per machine). Call after the weights are final; the first forward
-        does it when nobody did. Returns the choice.
+        does it when nobody did. Returns the choice. The fast paths are not bound here (this
+        module does not know them): llama_fast.prepare calls this, then binds them.
 
         Where oneDNN serves both shape classes, its packed copies are the only weights read, so
         the plain ones are released (the projections' weight memory is held once, not twice);
         binding again to a kernel that reads them rebuilds them exactly from the packed copies.
         """
+        # Fast paths bound to the old kernels are stale: llama_fast.prepare binds them anew.
         self.dense_forward = None
+        for layer in self.layers:
+            cast(DecoderLayer, layer).fused_step = None
         self.greedy_head = None
         if self.native_parts:
             return self._prepare_native_linears()
@@ -227,7 +236,6 @@ class LlamaForCausalLM(nn.Module):
         self.head = Linear(self.lm_head.weight, None, head_choice)
         self.linear_choice = choice
         self._release_plain_weights()
-        self.dense_forward = DenseForward(self) if DenseForward.fits(self) else None
         head_weight = self.lm_head.weight.detach()
         self.greedy_head = GreedyHead(head_weight) if GreedyHead.available(head_weight) else None
         return choice

@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvmemo.native import load_library
 
-SOURCE = Path(__file__).with_name("kernels") / "quant_linear.c"
+SOURCE = Path(__file__).with_name("quant_linear.c")
 T = GGMLQuantizationType
 # The types the kernel reads (its enum holds the same GGML type numbers).
 NATIVE_TYPES = frozenset(

@@ -1,0 +1,202 @@
+"""The Llama family's fast paths, bound from outside the model class: a dense model's forward with
+its small ops in C (DenseForward), and native weights' decode step in two int8-kernel calls
+(FusedDecodeStep). `prepare(model)` binds the model's kernels, then whichever path fits.
+
+Invariant: each computes what LlamaForCausalLM.forward computes through DecoderLayer.forward,
+with the same Linears and attention, only in another order of float operations; a model no path
+fits (Gemma's per-head norms, CUDA, fp16, no C compiler) runs DecoderLayer.forward. llama.py never
+imports this module: the model holds whatever is bound here behind the FastForward and
+FastLayerStep protocols of layers/basic.py.
+
+DenseForward: the residual add and the RMSNorm after it are one call, RoPE is one call in place on
+q/k (so q, k and v stay views of the qkv product, which also lets attention fold a decode step's
+K/V write into its kernel), and silu(gate) * up is one call; each computes in fp32 and rounds once
+to the compute dtype (in bf16, torch's path rounds RoPE's products to bf16 with bf16 cos/sin: K
+differs by a bf16 ulp). Why: a decode step's ~20 small torch ops per layer (norms, casts, RoPE's
+eight, adds, the activation) each cost microseconds of dispatch for nanoseconds of work, about a
+quarter of a 32-sequence decode step of SmolLM2 in bf16; in a prefill they are memory passes and
+casts (W1 in bf16: its two prefill steps 10-13% faster with them in C). Only plain DecoderLayers
+(no per-head norms, SiLU, RMSNorm with fp32 weights) in fp32 or bf16 on CPU take it (fits).
+
+FusedDecodeStep: each small op is folded into the int8 kernel call next to it (quant_int8.Fused):
+norm, q/k/v and RoPE in one call; attention; o_proj with the residual add, the norm, gate/up,
+silu * up and down with the second add in the other. Why: a one-token decode step on a 135M model
+spends as long in small tensor ops as in reading the weights. Only layers whose weights are all
+int8-kernel types, without biases, per-head norms or a non-SiLU activation, in fp32, take it
+(fits), and only for steps every projection serves on the kernels (serves: up to 12 rows, or 32
+when no dense copy can be made).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from kvmemo.model.kernels import layer_ops
+from kvmemo.model.kernels.layer_ops import DTYPE_CODES, MAX_COLS, add_rmsnorm, rope_, silu_mul
+from kvmemo.model.kernels.quant_int8 import Fused, Int8Weights, mlp_block
+from kvmemo.model.layers.basic import AttentionFn, RMSNorm
+from kvmemo.model.layers.linear import KernelChoice
+from kvmemo.model.layers.native_linear import NativeLinear
+from kvmemo.model.models.llama import DecoderLayer, LlamaForCausalLM
+from kvmemo.model.models.llava import LlavaForConditionalGeneration
+
+
+def prepare(model: LlamaForCausalLM | LlavaForConditionalGeneration,
+            choice: KernelChoice | None = None) -> KernelChoice:
+    """Binds the model's projections to their kernels (`choice`, else the fastest here, probed
+    once per machine), then the fast paths that fit. Returns the kernel choice."""
+    choice = model.prepare_linears(choice)
+    language_model = (model.language_model if isinstance(model, LlavaForConditionalGeneration)
+                      else model)
+    bind_fast_paths(language_model)
+    return choice
+
+
+def bind_fast_paths(model: LlamaForCausalLM) -> None:
+    """After prepare_linears: DenseForward over the whole stack where it fits (dense weights),
+    else a FusedDecodeStep on each layer it fits (native weights)."""
+    layers = cast("list[DecoderLayer]", list(model.layers))
+    for layer in layers:
+        layer.fused_step = FusedDecodeStep(layer) if FusedDecodeStep.fits(layer) else None
+    model.dense_forward = DenseForward(model) if DenseForward.fits(model) else None
+
+
+class DenseForward:
+    """embed -> [add + norm -> qkv -> RoPE -> attention -> o -> add + norm -> gate, up -> silu *
+    up -> down] x layers -> add + final norm, for one LlamaForCausalLM with dense weights."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.layers = cast("list[DecoderLayer]", list(model.layers))
+        first = self.layers[0]
+        self.dtype = model.compute_dtype
+        self.q_size, self.kv_size, self.head_dim = first.q_size, first.kv_size, first.head_dim
+        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
+        self.norms = [(_weight(layer.input_layernorm), _weight(layer.post_attention_layernorm))
+                      for layer in self.layers]
+        self.eps = float(cast(RMSNorm, first.input_layernorm).eps)
+        self.final_norm = _weight(model.norm)
+        self.final_eps = float(cast(RMSNorm, model.norm).eps)
+
+    @staticmethod
+    def fits(model: LlamaForCausalLM) -> bool:
+        layers = cast("list[DecoderLayer]", list(model.layers))
+        norms: list[torch.nn.Module] = [model.norm] + [
+            n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        return (
+            layer_ops.kernel_available()
+            and model.compute_dtype in DTYPE_CODES
+            and not model.native_parts
+            and model.embed_tokens.weight.device.type == "cpu"
+            and all(type(layer) is DecoderLayer and layer.mlp.activation == "silu"
+                    and layer.mlp.gate_up is None and layer.fused_step is None
+                    for layer in layers)
+            and all(type(n) is RMSNorm for n in norms)
+            and all(n.weight.dtype == torch.float32 and n.eps == cast(RMSNorm, norms[0]).eps
+                    for n in cast("list[RMSNorm]", norms))
+            and model.config.hidden_size <= MAX_COLS
+            and model.config.intermediate_size <= MAX_COLS
+            and (layers[0].num_heads + layers[0].num_kv_heads) * layers[0].head_dim <= MAX_COLS
+        )
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 attention: AttentionFn) -> torch.Tensor:
+        """hidden [T, C] fp32 embeddings (not modified) -> the final-normed hidden [T, C] fp32."""
+        stream = hidden.contiguous().clone()  # the residual stream, updated in place
+        tokens = stream.shape[0]
+        cos, sin = self.model.rotary.cos_sin(positions, torch.float32)  # [T, 1, D/2] each
+        cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added
+        for index, layer in enumerate(self.layers):
+            input_norm, mlp_norm = self.norms[index]
+            normed = add_rmsnorm(stream, pending, input_norm, self.eps, self.dtype)
+            qkv = layer.qkv(normed)  # [T, (H + 2 KV) * D]
+            rope_(qkv, cos, sin, k_end, self.head_dim)
+            q = qkv[:, :q_end].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_end:k_end].view(tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, k_end:].view(tokens, self.num_kv_heads, self.head_dim)
+            out = attention(index, q, k, v)  # [T, H, D]
+            attended = layer.o(out.reshape(tokens, self.q_size))
+            normed = add_rmsnorm(stream, attended, mlp_norm, self.eps, self.dtype)
+            mlp = layer.mlp
+            pending = mlp.down(silu_mul(mlp.gate(normed), mlp.up(normed)))
+        return add_rmsnorm(stream, pending, self.final_norm, self.final_eps, torch.float32)
+
+
+class FusedDecodeStep:
+    """norm -> q/k/v (+ RoPE) | attention | o_proj (+ residual) | norm -> gate/up | silu * up ->
+    down (+ residual), for one DecoderLayer."""
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        calls = [_single_call(lin) for lin in (layer.qkv, layer.o, layer.mlp.gate_up,
+                                                 layer.mlp.down)]
+        if any(call is None for call in calls):
+            raise ValueError("FusedDecodeStep needs every projection in one int8 call (fits())")
+        self.qkv, self.o, self.gate_up, self.down = cast("list[Int8Weights]", calls)
+        norms = cast("list[RMSNorm]", [layer.input_layernorm, layer.post_attention_layernorm])
+        self.input_norm: torch.Tensor = norms[0].weight.detach()
+        self.mlp_norm: torch.Tensor = norms[1].weight.detach()
+        self.input_eps, self.mlp_eps = float(norms[0].eps), float(norms[1].eps)
+        self.linears = cast("list[NativeLinear]", [layer.qkv, layer.o, layer.mlp.gate_up,
+                                                   layer.mlp.down])
+        hidden = self.o.num_out  # the shapes the C block assumes, checked once here
+        gate, up = (w.shape[0] for w in self.gate_up.weights)
+        if not (gate == up == self.down.num_cols and self.gate_up.num_cols == hidden
+                == self.down.num_out == self.qkv.num_cols == self.input_norm.numel()
+                == self.mlp_norm.numel() and self.o.num_cols == layer.q_size):
+            raise ValueError("FusedDecodeStep: the layer's projection shapes do not chain")
+        self.input_norm, self.mlp_norm = self.input_norm.contiguous(), self.mlp_norm.contiguous()
+        self.num_heads, self.num_kv_heads = layer.num_heads, layer.num_kv_heads
+        self.head_dim, self.q_size, self.kv_size = layer.head_dim, layer.q_size, layer.kv_size
+
+    @staticmethod
+    def fits(layer: DecoderLayer) -> bool:
+        mlp = layer.mlp
+        linears = (getattr(layer, "qkv", None), getattr(layer, "o", None),
+                   getattr(mlp, "gate_up", None), getattr(mlp, "down", None))
+        return (
+            type(layer) is DecoderLayer  # not a subclass with its own norms (Gemma)
+            and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm
+            and layer.input_layernorm.weight.dtype == torch.float32
+            and layer.post_attention_layernorm.weight.dtype == torch.float32
+            and mlp.activation == "silu"
+            and all(_single_call(lin) is not None and lin.bias is None  # type: ignore[union-attr]
+                    for lin in linears)
+            and len(_single_call(mlp.gate_up).weights) == 2  # type: ignore[union-attr]
+        )
+
+    def serves(self, rows: int) -> bool:
+        """Every projection takes `rows` on the kernels (batched steps with dense copies at hand
+        go through DecoderLayer.forward's GEMMs instead)."""
+        return all(linear.kernel_serves(rows) for linear in self.linears)
+
+    def __call__(self, layer_idx: int, hidden: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        half = self.head_dim // 2
+        rope = (cos.reshape(tokens, half), sin.reshape(tokens, half),
+                self.q_size + self.kv_size, self.head_dim)
+        qkv = self.qkv(hidden, fused=Fused(norm=self.input_norm, eps=self.input_eps, rope=rope))
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        out = attention(layer_idx, q, k, v)  # [T, H, D]
+        return mlp_block(out.reshape(tokens, self.q_size), hidden, self.o, self.mlp_norm,
+                         self.mlp_eps, self.gate_up, self.down)
+
+
+def _single_call(linear: object) -> Int8Weights | None:
+    """The one int8-kernel call a NativeLinear's few-row product makes, if that is all it does."""
+    if not isinstance(linear, NativeLinear):
+        return None
+    return linear.single_int8_call()
+
+
+
+def _weight(norm: torch.nn.Module) -> torch.Tensor:
+    return cast(RMSNorm, norm).weight.detach().contiguous()

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvmemo.connector.spec import parse_kv_stores
 from kvmemo.intake.segments import KV_REUSE_MODES
+from kvmemo.kv.hashing import HASH_ALGORITHMS
 from kvmemo.units import parse_size_bytes
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
@@ -85,7 +86,7 @@ class EngineConfig:
         _one_of("weights", self.weights, WEIGHT_MODES)
         _one_of("device", self.device, DEVICES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _one_of("prefix_cache_hash", self.prefix_cache_hash, ("sha256", "xxh3_128"))
+        _one_of("prefix_cache_hash", self.prefix_cache_hash, HASH_ALGORITHMS)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(
                 f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}"

@@ -42,10 +42,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
 
-    @property
-    def is_all_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
-
     def query_rows(self, seqs: list[int]) -> torch.Tensor:
         """The step-batch rows of sequences `seqs`' queries, in that order."""
         return torch.cat([

@@ -53,7 +53,7 @@ def parse_kv_store(spec: str) -> KVStoreSpec:
     optional (default 0.5 s), the longest one Redis call may hold the engine thread.
     """
     if not isinstance(spec, str):
-        raise ValueError(f"kv_store must be a string of the form {_FORM}, got {spec!r}")  # noqa: TRY004
+        raise ValueError(f"kv_store must be a string of the form {_FORM}, got {spec!r}")
     kind, sep, rest = spec.partition(":")
     if sep and kind in _REDIS_SCHEMES:
         return _parse_redis(spec)

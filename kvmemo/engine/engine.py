@@ -47,6 +47,7 @@ from kvmemo.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

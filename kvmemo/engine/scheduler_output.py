@@ -85,9 +85,5 @@ class SchedulerOutput:
     kv_connector_metadata: ConnectorMetadata | None = None
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
-
-    @property
     def is_empty(self) -> bool:
         return not self.sequences

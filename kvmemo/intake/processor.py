@@ -412,9 +412,6 @@ class InputProcessor:
         """The chat template a request renders with."""
         return (options.chat_template if options else None) or self.chat_template
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
 
 def _image_source(part: dict[str, Any], where: str) -> Any:  # raises InputError
     """The image of an OpenAI image part: {"image_url": {"url": ...}} or {"image_url": "..."},

@@ -6,7 +6,6 @@ Invariant: events are immutable and emitted in the order the pool changed its ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from kvmemo.kv.hashing import BlockHash, ExtraKeys
 
@@ -34,4 +33,4 @@ class AllBlocksCleared:
     """The whole prefix cache was reset."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

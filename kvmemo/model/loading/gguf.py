@@ -1,4 +1,5 @@
-"""GGUF reader: dequantize every tensor to fp32 torch and rename llama.cpp names to HF names.
+"""GGUF reader: every tensor as fp32 torch (or, with native=True, linear weights and the embedding
+table kept at their GGUF bits as QuantizedWeights), renamed from llama.cpp names to HF names.
 
 Invariant: the returned state dict is in HF layout, i.e. llama.cpp's Q/K row permutation is undone
 exactly as transformers' GGUF loader does (only for GGUF `general.architecture == "llama"`).

@@ -6,7 +6,6 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,9 +14,10 @@ from tqdm.auto import tqdm
 from kvmemo.config import EngineConfig
 from kvmemo.engine import BeamSearchParams, Engine, EngineStats, MemoryStats
 from kvmemo.intake.processor import ChatOptions, InputProcessor, ProcessedPrompt
+from kvmemo.intake.tools import ChatTools, constrain_reply, render_tools
 from kvmemo.outputs import CompletionOutput, RequestOutput
 from kvmemo.sampling import SamplingParams
-from kvmemo.tool_calls import ToolPrompt, parse_reply, tools_for_request
+from kvmemo.tool_calls import ToolPrompt, parse_reply
 
 Prompt = str | list[int] | dict[str, Any] | ProcessedPrompt
 Conversation = list[dict[str, Any]]
@@ -98,29 +98,18 @@ class LLM:
                 f"documents has {len(documents or ())} lists for {len(conversations)} "
                 "conversations; give one list per conversation, or one list for all"
             )
+        chat_tools = ChatTools(tools, tool_choice, parallel_tool_calls=parallel_tool_calls)
         for i, conversation in enumerate(conversations):
-            tool_prompt = tools_for_request(
-                conversation, tools, tool_choice,
-                parallel_tool_calls=parallel_tool_calls, template=template,
-            )
-            options = chat_options
-            if tool_prompt is not None:
-                conversation = tool_prompt.messages
-                options = dataclasses.replace(
-                    chat_options or ChatOptions(), tools=tool_prompt.template_tools
-                )
-                if tool_prompt.constraint is not None:
-                    params[i] = dataclasses.replace(
-                        params[i], structured_outputs=tool_prompt.constraint
-                    )
+            rendering = render_tools(conversation, chat_options, chat_tools, template)
+            params[i] = constrain_reply(params[i], rendering.prompt)
             docs = documents[i] if per_conversation and documents is not None else documents
             prompts.append(
                 self.processor.process_chat(
-                    conversation, options, cache_salt=cache_salt, documents=docs,
-                    kv_reuse=kv_reuse, recompute_ratio=recompute_ratio,
+                    rendering.messages, rendering.options, cache_salt=cache_salt,
+                    documents=docs, kv_reuse=kv_reuse, recompute_ratio=recompute_ratio,
                 )
             )
-            tool_prompts.append(tool_prompt)
+            tool_prompts.append(rendering.prompt)
         outputs = self._run(prompts, params, use_tqdm, cache_salt)
         for out, tool_prompt in zip(outputs, tool_prompts):
             if tool_prompt is not None and tool_prompt.parses_calls:

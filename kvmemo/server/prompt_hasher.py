@@ -1,8 +1,9 @@
 """PromptHasher: an OpenAI request body -> the block hashes a replica will give its prompt.
 
-Invariant: tokenization (tokenizer, chat template, message normalisation) and hashing (RequestHasher
-from the replicas' namespace root, block size and algorithm, cache_salt as an extra key) are the
-replica's own code paths, so equal prompts get equal hashes on the router and on the replica.
+Invariant: tokenization (tokenizer, chat template and its options, message normalisation, tools)
+and hashing (RequestHasher from the replicas' namespace root, block size and algorithm,
+cache_salt as an extra key) are the replica's own code paths, so equal prompts get equal hashes
+on the router and on the replica.
 Only the tokenizer is loaded, never the weights.
 """
 
@@ -11,7 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvmemo.intake.processor import InputProcessor
+from kvmemo.intake.tools import render_tools
 from kvmemo.kv.hashing import BlockHash, RequestHasher
+from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
+from kvmemo.server.protocol import ChatCompletionRequest
 
 
 def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
@@ -65,8 +69,14 @@ class PromptHasher:
                     # Image blocks hash with the image's content, which the router does not
                     # compute: no prediction, so the prompt goes to the least loaded replica.
                     return None
+                # The chat route's reading of the body and its tool rendering (intake.tools):
+                # a request with tools or chat options predicts the replica's tokens too.
+                request = ChatCompletionRequest.model_validate(body)
+                options = chat_options(request)
+                rendering = render_tools(engine_messages(request), options, chat_tools(request),
+                                         self.processor.template_for(options))
                 return self.processor.process_chat(
-                    body["messages"], documents=body.get("documents")
+                    rendering.messages, rendering.options, documents=request.documents
                 ).token_ids
             if body.get("segments") is not None:
                 return self.processor.process_segments(body["segments"]).token_ids

@@ -8,7 +8,6 @@ context.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -16,11 +15,12 @@ from fastapi.responses import Response
 
 from kvmemo.errors import InputError
 from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.tools import constrain_reply, render_tools
 from kvmemo.sampling import SamplingParams
-from kvmemo.server.protocol import ChatCompletionRequest, ChatMessage, ImagePart
+from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
+from kvmemo.server.protocol import ChatCompletionRequest
 from kvmemo.server.serving_common import Choice, Job, OpenAIServing, TokenLogprob
 from kvmemo.server.tool_replies import ToolReplies
-from kvmemo.tool_calls.render import tools_for_request
 
 
 class ServingChat(OpenAIServing):
@@ -30,7 +30,7 @@ class ServingChat(OpenAIServing):
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         ignored = self.check_common(body)
-        messages = [engine_message(i, message) for i, message in enumerate(body.messages)]
+        messages = engine_messages(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise InputError("top_logprobs", "top_logprobs requires logprobs: true")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -38,13 +38,7 @@ class ServingChat(OpenAIServing):
         # Without max_tokens the engine fills the context (fill_context); until then any value
         # min_tokens allows stands in.
         params = self.sampling_params(body, max_tokens or max(1, body.min_tokens), top_logprobs)
-        options = ChatOptions(
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            add_special_tokens=body.add_special_tokens,
-            template_kwargs=body.chat_template_kwargs,
-            chat_template=body.chat_template,
-        )
+        options = chat_options(body)
         tool_replies, params, messages, options = self._with_tools(
             body, params, messages, options
         )
@@ -82,28 +76,18 @@ class ServingChat(OpenAIServing):
         messages: list[dict[str, Any]],
         options: ChatOptions,
     ) -> tuple[ToolReplies | None, SamplingParams, list[dict[str, Any]], ChatOptions]:
-        """Tools rendered into the prompt (kvmemo.tool_calls), a `required` or named choice as
-        the reply's constraint, and the ToolReplies that parse the answer; unchanged without
-        tools or tool history."""
-        prompt = tools_for_request(
-            messages, body.tools, body.tool_choice,
-            parallel_tool_calls=body.parallel_tool_calls is not False,
-            template=body.chat_template or self.engine.chat_template,
-        )
+        """Tools rendered into the prompt (intake.tools, as the router's hasher renders them), a
+        `required` or named choice as the reply's constraint, and the ToolReplies that parse the
+        answer; unchanged without tools or tool history."""
+        rendering = render_tools(messages, options, chat_tools(body),
+                                 body.chat_template or self.engine.chat_template)
+        prompt = rendering.prompt
         if prompt is None:
             return None, params, messages, options
-        if prompt.constraint is not None:
-            if params.structured_outputs is not None:
-                raise InputError(
-                    "tool_choice",
-                    f"tool_choice {prompt.choice.mode!r} constrains the reply itself; drop "
-                    "response_format / structured outputs or use tool_choice auto",
-                )
-            params = dataclasses.replace(params, structured_outputs=prompt.constraint)
-        options = dataclasses.replace(options, tools=prompt.template_tools)
+        params = constrain_reply(params, prompt)
         replies = ToolReplies(list(prompt.tools), prompt.reply_format) if prompt.parses_calls \
             else None
-        return replies, params, prompt.messages, options
+        return replies, params, rendering.messages, rendering.options
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
         if job.tool_replies is not None:
@@ -150,28 +134,3 @@ class ServingChat(OpenAIServing):
             top = [item(i, v) for i, v in e.top or ()]
             content.append({**item(e.token_id, e.logprob), "top_logprobs": top})
         return {"content": content}
-
-
-def engine_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    """A ChatMessage as the engine's chat template takes it."""
-    content = message.content
-    if isinstance(content, list):
-        if any(isinstance(part, ImagePart) for part in content):
-            # The processor loads the images (data: URLs only) and places them; a text-only
-            # model or a bad image is an InputError, so a 400.
-            content = [part.model_dump() for part in content]
-            if any(part["type"] == "image" for part in content):
-                raise InputError(
-                    "messages",
-                    f"messages[{index}].content: send images as image_url parts with a data: URL",
-                )
-        else:
-            content = "\n".join(part.text for part in content)
-    # The template knows system, not OpenAI's newer "developer" name for it.
-    role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": content or ""}
-    if message.tool_calls:
-        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    return out

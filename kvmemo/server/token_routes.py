@@ -7,7 +7,6 @@ safe to share across threads. Both POST routes need the API key when one is set.
 
 from __future__ import annotations
 
-import dataclasses
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -16,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmemo.errors import InputError
 from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.tools import ChatTools, render_tools
+from kvmemo.server.chat_input import engine_message as _engine_message
 from kvmemo.server.protocol import ChatMessage
-from kvmemo.server.serving_chat import engine_message as _engine_message
 from kvmemo.server.serving_common import check_model
-from kvmemo.tool_calls import tools_for_request
 
 if TYPE_CHECKING:
     from kvmemo.engine import AsyncEngine, Engine
@@ -38,7 +37,11 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None  # rendered as the chat route renders them
+    chat_template: str | None = None
+    # Rendered as the chat route renders them (intake.tools): the same prompt tokens.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -65,15 +68,13 @@ def add_token_routes(
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=bool(special),
                 template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
             )
             messages = [_engine_message(i, m) for i, m in enumerate(body.messages or [])]
-            tool_prompt = tools_for_request(
-                messages, body.tools, template=e.processor.template_for(options)
-            )
-            if tool_prompt is not None:
-                messages = tool_prompt.messages
-                options = dataclasses.replace(options, tools=tool_prompt.template_tools)
-            return e.processor.process_chat(messages, options).token_ids
+            tools = ChatTools(body.tools, body.tool_choice,
+                              parallel_tool_calls=body.parallel_tool_calls is not False)
+            rendering = render_tools(messages, options, tools, e.processor.template_for(options))
+            return e.processor.process_chat(rendering.messages, rendering.options).token_ids
 
         tokens = await engine.call(run)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,

@@ -198,3 +198,19 @@ def test_generated_reply_ids_are_kept_per_cache_salt(llm):
     assert same != plain  # the generated ids differ from a re-tokenization (else no test)
     assert other == plain  # tenant b sees the ordinary tokenization
     assert llm.tokenizer.decode(same) == llm.tokenizer.decode(other) == text
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_llm_chat_refuses_a_tool_choice_beside_another_constraint_as_the_server_does(llm, choice):
+    """One conflict rule everywhere (intake.tools.constrain_reply): LLM.chat used to replace the
+    caller's structured output silently; the server refused. Both refuse now, naming the field."""
+    from kvmemo.structured import StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    with pytest.raises(InputError, match="constrains the reply itself") as info:
+        llm.chat(QUESTION, params, tools=TOOLS, tool_choice=choice, use_tqdm=False)
+    assert info.value.param == "tool_choice"
+    auto = llm.chat(QUESTION, params, tools=TOOLS, tool_choice="auto", use_tqdm=False)
+    assert auto[0].outputs[0].text in ("yes", "no")  # auto leaves the caller's constraint

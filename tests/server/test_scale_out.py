@@ -133,15 +133,23 @@ def router_tokenizer():
     return load_tokenizer(None)  # what `kvmemo router` loads: tokenizer only, no weights
 
 
-@pytest.mark.parametrize("kind", ["completion", "chat"])
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat", "chat_tools"])
 def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenizer, kind):
-    """The router's PromptHasher (tokenizer only + /kv/info) against the replica's own block map."""
+    """The router's PromptHasher (tokenizer only + /kv/info) against the replica's own block map;
+    a chat request with tools, a tool choice and chat options too (its tools are rendered into
+    the prompt by the same code on both sides)."""
     from kvmemo.kv.hashing import BlockHash
     from kvmemo.server.prompt_hasher import PromptHasher
 
     _, (a, _), _ = cluster
     text = _prompt(60)
-    if kind == "chat":
+    if kind.startswith("chat"):
         path, body = "/v1/chat/completions", {
             "messages": [
                 {"role": "developer", "content": "Be brief."},
@@ -150,6 +158,9 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenize
             "max_tokens": 2,
             "temperature": 0,
         }
+        if kind == "chat_tools":
+            body.update(tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False,
+                        chat_template_kwargs={"enable_thinking": False})
     else:
         path, body = "/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0}
     with a.http() as client:
@@ -164,6 +175,9 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenize
     )
     hashes = hasher.block_hashes(path, body)
     assert len(hashes) >= 5 and set(hashes) <= held
+    if kind == "chat_tools":  # the tools are in the predicted prompt, not left out
+        plain = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
+        assert hasher.block_hashes(path, plain) != hashes
     salted = hasher.block_hashes(path, {**body, "cache_salt": "tenant"})
     assert not set(salted) & held  # a salt changes every block of the chain
 

@@ -7,7 +7,7 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 from tqdm.auto import tqdm
 
@@ -124,7 +124,7 @@ class LLM:
         beam_width: int = 4,
         max_tokens: int = 16,
         length_penalty: float = 1.0,
-        early_stopping: bool | str = False,
+        early_stopping: bool | Literal["never"] = False,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
@@ -203,8 +203,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
     if isinstance(prompts, (str, dict, ProcessedPrompt)) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
-        return [prompts]
-    return prompts
+        return [cast(Prompt, prompts)]
+    return cast("Sequence[Prompt]", prompts)
 
 
 def _per_prompt_params(
@@ -230,11 +230,12 @@ def _group_samples(
         i, j = groups[rid]
         out = finished[rid]
         out.outputs[0].index = j
-        if merged[i] is None:
+        first = merged[i]
+        if first is None:
             out.request_id = rid.rsplit("-", 1)[0]
             merged[i] = out
         else:
-            merged[i].outputs.append(out.outputs[0])
+            first.outputs.append(out.outputs[0])
     return [m for m in merged if m is not None]
 
 

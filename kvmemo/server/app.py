@@ -29,7 +29,7 @@ from kvmemo.server.token_routes import add_token_routes
 
 if TYPE_CHECKING:
     from kvmemo.engine import AsyncEngine
-    from kvmemo.server.kv_events import KVEventPublisher
+    from kvmemo.server.kv_events import EventPublisher
 
 _ROUTES = (
     "/v1/completions",
@@ -51,7 +51,7 @@ def create_app(
     *,
     model_name: str,
     api_key: str | None = None,
-    kv_events: KVEventPublisher | None = None,
+    kv_events: EventPublisher | None = None,
 ) -> FastAPI:
     """Build the app around a running AsyncEngine; the app shuts the engine down on exit.
 

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -110,6 +110,20 @@ def decode_batch(data: bytes) -> EventBatch:
         return EventBatch(epoch, seq, float(raw["ts"]), events)
     except (KeyError, TypeError, msgpack.UnpackException, ValueError) as exc:
         raise ValueError(f"malformed KV event message: {exc}") from None
+
+
+class EventPublisher(Protocol):
+    """What the server needs of a KV event publisher (KVEventPublisher, or vLLM's wire format in
+    vllm_kv_events.VllmKVEventPublisher): where it publishes, its stream's epoch and last batch
+    number (named by /kv/blocks), the engine-thread callback, and close."""
+
+    endpoint: str
+    epoch: str
+    seq: int
+
+    def publish(self, events: Sequence[KVEvent]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class KVEventPublisher:

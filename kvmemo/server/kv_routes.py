@@ -7,17 +7,18 @@ the last KV event batch whose changes it includes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
 if TYPE_CHECKING:
     from kvmemo.engine import AsyncEngine, Engine
-    from kvmemo.server.kv_events import KVEventPublisher
+    from kvmemo.server.kv_events import EventPublisher
 
 
 def add_kv_routes(
-    app: FastAPI, engine: AsyncEngine, publisher: KVEventPublisher | None, model_name: str
+    app: FastAPI, engine: AsyncEngine, publisher: EventPublisher | None, model_name: str
 ) -> None:
     kv = engine.kv_info()
     info = {
@@ -35,7 +36,7 @@ def add_kv_routes(
 
     @app.get("/kv/blocks")
     async def kv_blocks() -> dict[str, Any]:
-        def snapshot(e: Engine) -> tuple[str | None, int, list[bytes]]:
+        def snapshot(e: Engine) -> tuple[str | None, int, Sequence[bytes]]:
             hashes = e.cached_block_hashes()
             if publisher is None:
                 return None, 0, hashes

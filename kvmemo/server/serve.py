@@ -10,7 +10,10 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmemo.server.kv_events import EventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def serve(
         options["enable_kv_events"] = True
     config = EngineConfig.from_kwargs(model=model, **options)
     inner = Engine(config)
-    publisher = None
+    publisher: EventPublisher | None = None
     if kv_events_endpoint is not None:
         from kvmemo.server.kv_events import KVEventPublisher  # needs pyzmq and msgpack
 
@@ -57,7 +60,7 @@ def serve(
             from kvmemo.server.vllm_kv_events import VllmKVEventPublisher
 
             medium = "GPU" if inner.device.type == "cuda" else "CPU"
-            publisher = VllmKVEventPublisher(  # type: ignore[assignment]
+            publisher = VllmKVEventPublisher(
                 kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint, medium=medium
             )
         elif kv_events_replay_endpoint is not None:

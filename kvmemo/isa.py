@@ -46,8 +46,12 @@ LEVELS: dict[str, IsaLevel] = {
         IsaLevel("scalar", "default", "SSE41", "SSE4_2", ("-march=x86-64",), frozenset(),
                  ("avx", "amx", "fma", "f16c", "vaes", "vpclmulqdq", "gfni")),
         # x86-64-v3: AVX2, FMA, F16C (Zen 3, Haswell..): no VNNI, no bf16, no AVX-512.
+        # Required: what -march=x86-64-v3 lets the compiler use (abm is LZCNT), so a VM that
+        # hides one of them is not taken for this level.
         IsaLevel("avx2", "avx2", "AVX2", "AVX2", ("-march=x86-64-v3",),
-                 frozenset({"avx2", "fma"}), ("avx512", "avx_", "amx", "avx10")),
+                 frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe",
+                            "xsave"}),
+                 ("avx512", "avx_", "amx", "avx10")),
         # AVX-512 with whatever extensions the CPU has (VNNI, bf16), AMX left out.
         IsaLevel("avx512", "avx512", "AVX512_CORE_FP16", "AVX512",
                  ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),

@@ -55,7 +55,7 @@ def load_library(source: Path, purpose: str, march: str = "native") -> ctypes.CD
         return None
     try:
         return _load_or_rebuild(source, compiler, march)
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError, isa.IsaError) as e:
         logger.warning("CPU kernel %s unavailable (%s): %s (slower)", source.name, e, purpose)
         return None
 

@@ -14,10 +14,12 @@ import torch
 from kvmemo import isa
 
 AVX512_MACHINE = frozenset(
-    "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2 avx512f avx512bw avx512vl "
+    "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 abm movbe xsave avx512f avx512bw avx512vl "
     "avx512dq avx512_vnni avx512_bf16 avx_vnni amx_tile amx_bf16 amx_int8 gfni".split()
 )
-AVX2_MACHINE = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
+AVX2_MACHINE = frozenset(
+    "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 abm movbe xsave".split()
+)
 NATIVE = isa.native_level()
 
 
@@ -51,6 +53,14 @@ def test_a_level_above_the_cpu_names_the_missing_features(monkeypatch, cpu):
     assert message.endswith("allowed here: native, scalar, avx2")
     assert isa.native_level() == "avx2"
     assert isa.levels_below_native() == ["scalar"]
+
+
+def test_a_vm_hiding_a_flag_x86_64_v3_builds_use_is_not_taken_for_avx2(monkeypatch, cpu):
+    cpu(AVX2_MACHINE - {"movbe"})
+    assert isa.native_level() == "scalar"
+    monkeypatch.setenv("KVMEMO_ISA", "avx2")
+    with pytest.raises(isa.IsaError, match="needs the CPU feature.s. movbe"):
+        isa.forced()
 
 
 @pytest.mark.parametrize(

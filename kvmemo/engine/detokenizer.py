@@ -47,10 +47,16 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0))
         if window.startswith(prefix):
-            self.text += window[len(prefix) :]
+            added = window[len(prefix) :]
+            self.text += added
         else:  # the window's decode rewrote its prefix's: decode everything, exactly
             self.text = self._decode(self.token_ids)
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+            added, search_from = None, 0  # earlier text may have changed: search all of it
+        # A step that added no text (a skipped special token) keeps its window: started at that
+        # token, the next window would decode without the text before it, and a decoder that
+        # strips a decode's leading space (Llama's, Mistral's) would drop the next word's.
+        if added != "":
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         for stop in self.stop_strings:
             index = self.text.find(stop, search_from)
             if index != -1:

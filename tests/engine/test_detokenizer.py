@@ -88,3 +88,33 @@ def test_a_token_costs_the_same_at_the_4000th_as_at_the_10th(tokenizer):
     first, last = sum(costs[:100]), sum(costs[-100:])
     assert last <= 1.5 * first, (first, last)
     assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _llama_style_tokenizer():
+    """A tokenizer whose decoder strips a decode's leading space, as Llama's and Mistral's do."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁Hello": 2, ".": 3, "▁The": 4, "▁world": 5, "<0xC3>": 6,
+             "<0xA9>": 7}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_skipped_special_token_keeps_the_next_words_space(skip_special_tokens):
+    """The window must not start at a token that decoded to nothing: Strip would eat the space
+    of the word after it ("Hello.The world")."""
+    tokenizer = _llama_style_tokenizer()
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = [rng.choice([1, 2, 3, 4, 5, 6, 7, 1, 1]) for _ in range(rng.randrange(1, 12))]
+        detok = IncrementalDetokenizer(tokenizer, (), skip_special_tokens=skip_special_tokens)
+        for n, token in enumerate(ids, start=1):
+            detok.add_token(token, is_last=n == len(ids))
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
+    detok = IncrementalDetokenizer(tokenizer, ("Hello world",))
+    stopped = [detok.add_token(t, is_last=False) for t in (2, 1, 5)]
+    assert stopped == [False, False, True] and detok.text == ""

@@ -58,6 +58,15 @@ def _add_engine_flags(
         "offsets and scales)",
     )
     g.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "paged", "triton", "reference"],
+        help="paged (CPU kernels), triton (Triton kernels, the GPU's) or reference; auto: triton "
+        "on CUDA when triton is installed, else paged (default: auto)",
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: graphs)",
+    )
+    g.add_argument(
         "--max-num-batched-tokens", type=int, default=batched_tokens,
         help="token budget per step; longer prompts are prefilled in chunks of it (default: "
         f"{batched_tokens})",
@@ -190,6 +199,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

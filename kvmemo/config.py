@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvmemo.attention.names import ATTENTION_BACKENDS
 from kvmemo.connector.spec import parse_kv_stores
 from kvmemo.intake.segments import KV_REUSE_MODES
 from kvmemo.kv.hashing import HASH_ALGORITHMS
@@ -53,6 +54,13 @@ class EngineConfig:
     kv_cache_memory: str | int = "2GiB"  # KV pool size (ignored when num_blocks is set)
     num_blocks: int | None = None  # explicit KV pool size in blocks
     kv_cache_dtype: str = "auto"  # auto = the model dtype
+    # Who writes K/V and attends: "paged" (the CPU kernels, torch elsewhere), "triton" (Triton
+    # kernels: CUDA, or CPU under TRITON_INTERPRET=1), "reference" (slow, obviously correct), or
+    # "auto": triton on CUDA when triton is installed, else paged
+    attention_backend: str = "auto"
+    # CUDA only: decode steps run eagerly instead of replaying CUDA graphs captured per
+    # batch-size bucket (engine/cuda_graphs.py), as vLLM's enforce_eager
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_partial_reuse: bool = True  # copy the KV of a partially filled matching block
     prefix_cache_hash: str = "sha256"  # or xxh3_128: faster, unsafe where tenants share a cache
@@ -86,6 +94,7 @@ class EngineConfig:
         _one_of("weights", self.weights, WEIGHT_MODES)
         _one_of("device", self.device, DEVICES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("prefix_cache_hash", self.prefix_cache_hash, HASH_ALGORITHMS)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(

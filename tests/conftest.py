@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # leaves `weights` at "auto"; the native mode's tests ask for weights="native" themselves.
 os.environ["KVMEMO_WEIGHTS"] = "dense"
 os.environ["KVMEMO_DTYPE"] = "float32"  # dtype "auto" would pick bf16 on an avx512_bf16 CPU
+# Without a GPU the Triton kernels run in Triton's interpreter (NumPy); Triton reads the switch
+# when the kernels are defined, so it is set before any test imports them.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

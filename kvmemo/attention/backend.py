@@ -14,14 +14,16 @@ import torch
 
 from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
 from kvmemo.attention.cascade import cascade_attention
+from kvmemo.attention.fp8_fold import fold_fp8_query, unfold_fp8_output
 from kvmemo.attention.fused_decode import FusedDecode
+from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
 from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.attention.names import ATTENTION_BACKENDS
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
 from kvmemo.attention.prefix_packs import PrefixPacks
+from kvmemo.attention.step_checks import check_metadata_fits_cache, check_step_tensors
 from kvmemo.attention.torch_ref import paged_attention_ref
 from kvmemo.attention.workspace import Workspace
-
-ATTENTION_BACKENDS = ("paged", "reference")
 
 
 class AttentionBackend(Protocol):
@@ -132,10 +134,25 @@ class ReferenceAttentionBackend:
         return paged_attention_ref(q, k_cache, v_cache, metadata, self.scale)
 
 
-def select_attention_backend(name: str, scale: float) -> AttentionBackend:
-    """The backend called `name` ('paged', the default, or 'reference')."""
+def select_attention_backend(
+    name: str, scale: float, device: torch.device | str = "cpu"
+) -> AttentionBackend:
+    """The backend called `name`: 'paged' (CPU kernels and torch), 'triton' (Triton kernels:
+    CUDA, or CPU under TRITON_INTERPRET=1), 'reference', or 'auto' (triton on CUDA when triton
+    is installed, else paged)."""
+    if name == "auto":
+        name = "paged"
+        if torch.device(device).type == "cuda" and triton_unavailable_reason(device) is None:
+            name = "triton"
     if name == "paged":
         return PagedAttentionBackend(scale)
+    if name == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"attention backend 'triton' cannot run: {reason}")
+        from kvmemo.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(scale)
     if name == "reference":
         return ReferenceAttentionBackend(scale)
     raise ValueError(f"attention backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
@@ -152,74 +169,3 @@ def dequantized_caches(
         dequantize_fp8(k, kv_cache.fp8_transform(layer, "k"), dtype),
         dequantize_fp8(v, kv_cache.fp8_transform(layer, "v"), dtype),
     )
-
-
-def fold_fp8_query(q: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> torch.Tensor:
-    """For fp8, the query that attends over the raw stored K: (q @ rotation) * k_scale.
-
-    Exact, so attention reads the raw fp8 values and never dequantises the cache. With
-    k = k8 * s @ R.T + mu (R orthogonal): q . k = ((q @ R) * s) . k8 + q . mu, and q . mu is the
-    same for every key of the query, which softmax ignores (cascade's two partial lse shift
-    equally, so their merge is unchanged too). q: [T, Hq, D].
-    """
-    if not kv_cache.is_fp8:
-        return q
-    t = kv_cache.fp8_transform(layer, "k")
-    group = q.shape[1] // kv_cache.num_kv_heads
-    k_scale = t.scale.repeat_interleave(group)  # [Hq]
-    rotated = q if t.rotation is None else (q.float() @ t.rotation)
-    return (rotated.float() * k_scale[None, :, None]).to(q.dtype)
-
-
-def unfold_fp8_output(out: torch.Tensor, kv_cache: PagedKVCache, layer: int) -> torch.Tensor:
-    """For fp8, real output from attention over the raw stored V: (out * v_scale) @ R.T + mu_v.
-
-    Exact because the probabilities of each query sum to 1: sum_j p_j (v8_j * s @ R.T + mu)
-    = (s * sum_j p_j v8_j) @ R.T + mu. out: [T, Hq, D].
-    """
-    if not kv_cache.is_fp8:
-        return out
-    t = kv_cache.fp8_transform(layer, "v")
-    group = out.shape[1] // kv_cache.num_kv_heads
-    v_scale = t.scale.repeat_interleave(group)[None, :, None]  # [1, Hq, 1]
-    v_offset = t.offset.repeat_interleave(group, dim=0)  # [Hq, D]
-    real = out.float() * v_scale
-    if t.rotation is not None:
-        real = real @ t.rotation.T
-    return (real + v_offset).to(out.dtype)
-
-
-def check_metadata_fits_cache(metadata: AttentionMetadata, kv_cache: PagedKVCache) -> None:
-    """Raises ValueError when the metadata was built for another pool or block size."""
-    if metadata.block_size != kv_cache.block_size:
-        raise ValueError(
-            f"metadata block_size {metadata.block_size} "
-            f"!= KV cache block_size {kv_cache.block_size}"
-        )
-    if metadata.num_cache_blocks != kv_cache.num_blocks:
-        raise ValueError(
-            f"metadata was validated against {metadata.num_cache_blocks} blocks (num_cache_blocks) "
-            f"but the KV cache has {kv_cache.num_blocks}: its block ids may lie outside the cache"
-        )
-
-
-def check_step_tensors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: PagedKVCache,
-    metadata: AttentionMetadata,
-) -> None:
-    """Raises ValueError when q/k/v do not hold one row per token of the metadata."""
-    num_tokens = metadata.num_tokens
-    if q.shape[0] != num_tokens or k.shape[0] != num_tokens or v.shape[0] != num_tokens:
-        raise ValueError(
-            f"q, k, v must have one row per token of the step ({num_tokens}, from query_lens), "
-            f"got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
-        )
-    num_kv_heads = kv_cache.num_kv_heads
-    if k.shape[1] != num_kv_heads or q.shape[1] % num_kv_heads:
-        raise ValueError(
-            f"k must have the cache's {num_kv_heads} kv heads and q a multiple of them, "
-            f"got k {tuple(k.shape)}, q {tuple(q.shape)}"
-        )

@@ -294,7 +294,7 @@ def gather_pages(
     """pages [Hkv, num_blocks, bs, D] -> [Hkv, n * bs, D] of the given blocks, in `dtype`.
 
     Gathers into a reused buffer; a cache stored in another dtype (bf16, fp8) is converted into a
-    second reused buffer, the raw fp8 values untransformed (backend.fold_fp8_query and
+    second reused buffer, the raw fp8 values untransformed (fp8_fold.fold_fp8_query and
     unfold_fp8_output apply the scale, offset and rotation to q and the output instead).
     """
     num_kv_heads, _, block_size, head_dim = pages.shape

@@ -1,7 +1,7 @@
 """FP8 KV transform: per (layer, kv head) an offset, a rotation and a scale, calibrated at start.
 
 Invariant: stored = fp8(((x - offset) @ rotation) / scale) and x ~= stored * scale @ rotation.T +
-offset. All three are exact for attention (see backend.fold_fp8_query), so they only move the
+offset. All three are exact for attention (see fp8_fold.fold_fp8_query), so they only move the
 e4m3 rounding error. The engine calibrates offsets and scales; the rotation is the identity
 unless asked for (calibrate_kv_scales(rotate=True)). Deterministic: a fixed calibration text
 through the model at full precision; scale = 2^ceil(log2(amax * FP8_MARGIN / FP8_MAX)) of the

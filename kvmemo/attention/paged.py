@@ -260,7 +260,7 @@ def paged_attention(
 
 
 def paged_attention_pages(
-    q: torch.Tensor,  # [T, Hq, D] RoPE applied (fp8: already folded by backend.fold_fp8_query)
+    q: torch.Tensor,  # [T, Hq, D] RoPE applied (fp8: already folded by fp8_fold.fold_fp8_query)
     k_pages: torch.Tensor,  # [Hkv, num_blocks, block_size, D], this step's K already written
     v_pages: torch.Tensor,
     plan: StepPlan,

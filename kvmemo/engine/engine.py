@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemo.attention.backend import select_attention_backend
 from kvmemo.config import EngineConfig
 from kvmemo.engine.beam_driver import BeamSearchDriver
 from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
 from kvmemo.engine.blend_driver import BlendDriver, BlendSettings, check_blend_supported
 from kvmemo.engine.cpu_malloc import keep_freed_memory, return_freed_memory
+from kvmemo.engine.cuda_graphs import DecodeGraphs, decode_graphs_apply
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.kv_setup import build_kv, build_kv_connector
@@ -81,6 +83,11 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # prefill's activations are reused, not page-faulted in again
+        else:
+            # cuBLAS may otherwise sum bf16/fp16 products in reduced precision (split-K):
+            # kvmemo's half-precision mode keeps fp32 sums, as its CPU kernels do.
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         start = time.perf_counter()
         loaded = load_model(
             config.model, dtype=config.dtype, device=str(self.device), weights=config.weights
@@ -151,11 +158,20 @@ class Engine:
             Sampler(config.seed, self.device, self.eos_token_ids),
             scale=arch.attention_scale,
             device=self.device,
+            attention_backend=select_attention_backend(
+                config.attention_backend, arch.attention_scale, self.device
+            ),
             kv_connector=self.kv_connector,
             encoder_cache=encoder_cache,
             kv_groups=self.layout.groups,
         )
         self.runner.track_block_generations(self.kv_manager.block_pool.generations)
+        if decode_graphs_apply(self.device, self.runner.attention_backend.name,
+                               len(self.layout.groups), config.enforce_eager):
+            self.runner.decode_graphs = DecodeGraphs(
+                loaded.model, kv_cache, self.runner.attention_backend, self.max_model_len,
+                config.max_num_seqs, arch.num_attention_heads,
+            )
         self._tracked: dict[str, _Tracked] = {}
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self._structured: StructuredOutputCompiler | None = None

@@ -20,6 +20,7 @@ from kvmemo.attention.backend import AttentionBackend, select_attention_backend
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.engine.blend_forward import blend_prefill
+from kvmemo.engine.cuda_graphs import DecodeGraphs
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -70,7 +71,9 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.scale = scale
-        self.attention_backend = attention_backend or select_attention_backend("paged", scale)
+        self.attention_backend = attention_backend or select_attention_backend(
+            "auto", scale, device
+        )
         self.kv_connector = kv_connector  # worker side: loads store blocks into the pages
         if kv_connector is not None:
             kv_connector.register_kv_caches(kv_cache)
@@ -81,6 +84,8 @@ class ModelRunner:
         self.group_of_layer = {
             layer: g for g, group in enumerate(self.kv_groups) for layer in group.layer_indices
         }
+        # CUDA: decode steps replay captured graphs (cuda_graphs.py); set by the engine.
+        self.decode_graphs: DecodeGraphs | None = None
         # Debug hook for tests: keep the last step's sampling logits.
         self.capture_logits = False
         self.last_logits: torch.Tensor | None = None
@@ -154,12 +159,16 @@ class ModelRunner:
         copies = getattr(self.model, "dense_copies", None)
         if copies is not None:  # native weights: batched steps may keep dense copies
             copies.sequences = len(seqs)
-        hidden = self.model(
-            ids,
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self._attention_fn(self._layer_metadata(seqs, metadata)),
-            **self._multimodal_embeds(seqs, ids, metadata),
-        )  # [T, hidden]
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        multimodal = self._multimodal_embeds(seqs, ids, metadata)
+        hidden = None
+        if self.decode_graphs is not None and not multimodal and len(ids) == len(seqs):
+            hidden = self.decode_graphs.run(ids, positions_t, metadata)  # None: not this step
+        if hidden is None:
+            hidden = self.model(
+                ids, positions_t, self._attention_fn(self._layer_metadata(seqs, metadata)),
+                **multimodal,
+            )  # [T, hidden]
         prompt_logprobs = (
             self._prompt_logprobs(hidden, seqs, metadata)
             if any(s.prompt_token_ids is not None for s in seqs) else {}

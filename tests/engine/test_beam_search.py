@@ -24,7 +24,7 @@ def hf_beam_search(
     """HF's returned beams, best first: (generated token ids, the final EOS included; score)."""
     with torch.inference_mode():
         out = hf_model.generate(
-            torch.tensor([prompt_ids]),
+            torch.tensor([prompt_ids], device=hf_model.device),
             num_beams=k,
             do_sample=False,
             max_new_tokens=max_tokens,

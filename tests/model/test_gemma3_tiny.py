@@ -201,3 +201,23 @@ def test_preemption_under_a_small_pool_stays_exact(tiny, prompts, expected) -> N
     assert _greedy(llm, prompts) == expected
     assert llm.engine.stats().num_preemptions > 0
     llm.engine.kv_manager.check_invariants()
+
+
+@pytest.mark.native_isa_only  # Triton's interpreter runs NumPy whatever the ISA level
+def test_triton_backend_equals_transformers(tiny, prompts, expected) -> None:
+    """The engine on the Triton kernels (the GPU's backend; here Triton's interpreter): the same
+    greedy tokens, over sliding and full layers, in prefill chunks that cross the window."""
+    from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(f"Triton kernels cannot run: {reason}")
+    directory, _ = tiny
+    llm = LLM(str(directory), block_size=8, num_blocks=256, max_num_batched_tokens=16,
+              attention_backend="triton", device=device)
+    assert llm.engine.runner.attention_backend.name == "triton"
+    # Two prompts (23 and 70 tokens) keep the interpreter's run short; the longer crosses the
+    # window several times.
+    assert _greedy(llm, [prompts[1], prompts[3]]) == [expected[1], expected[3]]
+    llm.engine.kv_manager.check_invariants()

@@ -162,6 +162,7 @@ def test_requests_sharing_a_1500_token_prefix(llm, cold) -> None:
     assert outputs[0].metrics.num_cached_tokens >= 1500
 
 
+@pytest.mark.native_isa_only
 def test_a_small_pool_evicts_and_stays_exact(gemma3_gguf, cold, prompts) -> None:
     """A pool of a few thousand tokens' worth: the long prompts evict each other's blocks."""
     small = LLM(str(gemma3_gguf), num_blocks=420, max_num_batched_tokens=256)

@@ -101,6 +101,7 @@ class RotaryEmbedding:
         max_position_embeddings: int,
     ) -> None:
         self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [D/2] fp32, CPU
         self.cos_cache, self.sin_cache = self._build_cache(min(max_position_embeddings, 8192))
 
@@ -113,7 +114,13 @@ class RotaryEmbedding:
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, 1, D/2] ready to broadcast over heads."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+        # On a GPU the largest position is read back (a host sync, which a CUDA graph capture
+        # cannot have) only while the tables are shorter than the model's limit, past which
+        # the engine never goes; on the CPU it costs nothing and tables grow for any position.
+        if (positions.numel()
+                and (positions.device.type == "cpu"
+                     or self.cos_cache.shape[0] < self.max_position_embeddings)
+                and int(positions.max()) >= self.cos_cache.shape[0]):
             needed = max(2 * self.cos_cache.shape[0], int(positions.max()) + 1)
             self.cos_cache, self.sin_cache = self._build_cache(needed)
         if self.cos_cache.device != positions.device:

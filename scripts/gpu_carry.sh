@@ -16,4 +16,8 @@ MODEL=$(.venv/bin/python -c "from kvmemo.model.loading.loader import bundled_mod
 rm -f .gpu/model.part*
 split -b 50000000 -d "$MODEL" .gpu/model.part
 sha256sum "$MODEL" >.gpu/model.sha256
+# A tiny random Llama with the bundled tokenizer (23 MB): the CUDA graph checks need no weights.
+rm -rf .gpu/tiny_llama
+.venv/bin/python -c "from pathlib import Path; from tests.gpu.tiny_llama import save_tiny_llama; \
+save_tiny_llama(Path('.gpu/tiny_llama'))" >/dev/null
 ls -l .whl .gpu

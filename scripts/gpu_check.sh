@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 43 in one go, on a machine with a CUDA GPU and no registry:
 #
-#   scripts/gpu_check.sh [kernels|model|all]     (default: all; results under $OUT or gpu_check_out/)
+#   scripts/gpu_check.sh [kernels|graphs|model|all]   (default: all; results under $OUT or gpu_check_out/)
 #
 # kernels: the Triton kernels' tests on the device and the attention benchmark (no model needed).
+# graphs:  CUDA graph replays = eager steps = transformers, on a tiny random Llama (no model needed:
+#          .gpu/tiny_llama, saved by scripts/gpu_carry.sh).
 # model:   the engine on the GPU (tests/gpu: HF parity in fp32, bf16 teacher-forced, caching on =
 #          off, disk store = recompute, beam search) and the decode, W1 and 8k-TTFT benchmarks.
 # It installs nothing from the network. Python packages the machine lacks travel as wheels in
@@ -63,9 +65,13 @@ if [ "$STAGE" = kernels ] || [ "$STAGE" = all ]; then
     run_stage attention_bench "$PY" -m benchmarks.gpu.bench_gpu --parts attention \
         --out "$OUT_DIR/gpu_attention.json"
 fi
+if [ "$STAGE" = graphs ] || [ "$STAGE" = all ]; then
+    run_stage graph_tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_graphs_tiny.py \
+        --junitxml="$OUT_DIR/graph_tests.xml"
+fi
 if [ "$STAGE" = model ] || [ "$STAGE" = all ]; then
     if model_ready; then
-        run_stage engine_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu \
+        run_stage engine_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_engine.py \
             --junitxml="$OUT_DIR/engine_tests.xml"
         run_stage engine_bench "$PY" -m benchmarks.gpu.bench_gpu --parts decode,ttft,w1 \
             --out "$OUT_DIR/gpu_engine.json"

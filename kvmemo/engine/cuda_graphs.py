@@ -6,11 +6,13 @@ graph reads its inputs from static device buffers; a step of n sequences copies 
 positions, slots, block tables and lengths into the smallest bucket >= n, pads the rest (slot -1:
 no K/V write; length 1: one harmless key), replays, and keeps the first n rows.
 
-Invariant: a replay gives the same bits as the eager step. The graphs attend with the Triton
-backend in split mode over a fixed number of key segments (the model's limit; unsplit where
-their partial states would pass SPLIT_PARTIALS_BUDGET); the kernels
-merge segment states identically whatever the split (attention/kernels/triton_attention.py), and
-padded rows never enter a real row's arithmetic. Graphs are captured lazily, a bucket the first
+Invariant: a replay attends with the same bits as the eager step. The graphs attend with the
+Triton backend in split mode over a fixed number of key segments (the model's limit; unsplit
+where their partial states would pass SPLIT_PARTIALS_BUDGET); the kernels merge segment states
+identically whatever the split (attention/kernels/triton_attention.py), and padded rows never
+enter a real row's attention. The linear layers are cuBLAS's, which picks its GEMM kernels by
+row count, so a bucket's padding can move their last bits: on a lent H200 replays gave the
+eager tokens, logprobs within 1e-4 (tests/gpu). Graphs are captured lazily, a bucket the first
 time a step needs it, and only where every step input is static: one layer group (no sliding
 windows), the Triton backend, CUDA. A capture that fails turns graphs off with one warning.
 """
@@ -87,6 +89,11 @@ class StaticDecodeInputs:
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [size, hidden] the captured forward's output
+    # What the captured kernels read besides the static inputs (the tile plan's tensors, the
+    # metadata's query lengths): held here, or their memory would be freed and reused while
+    # the graph still reads it.
+    metadata: AttentionMetadata
+    plan: TilePlan
 
 
 class DecodeGraphs:
@@ -183,7 +190,7 @@ class DecodeGraphs:
             return None
         finally:
             backend.use_static_plan(None, None, split=None)
-        captured = _Graph(graph, hidden)
+        captured = _Graph(graph, hidden, metadata, plan)
         self.graphs[size] = captured
         return captured
 

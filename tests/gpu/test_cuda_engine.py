@@ -73,8 +73,8 @@ def test_greedy_fp32_equals_transformers_on_the_gpu(gpu_llm, prompt_ids, hf_toke
 
 
 def test_graph_replays_equal_eager_steps(gpu_llm, prompt_ids) -> None:
-    """Decode steps replayed from CUDA graphs (the default) and run eagerly: the same tokens and
-    logprobs, bit for bit, batched and alone."""
+    """Decode steps replayed from CUDA graphs (the default) and run eagerly: the same tokens,
+    batched and alone."""
     gpu_llm.reset_prefix_cache()
     replayed = tokens_and_logprobs(gpu_llm, prompt_ids)
     alone = tokens_and_logprobs(gpu_llm, prompt_ids[:1])
@@ -83,8 +83,13 @@ def test_graph_replays_equal_eager_steps(gpu_llm, prompt_ids) -> None:
     eager = LLM(device="cuda", dtype="float32", weights="dense", num_blocks=1024,
                 enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
-    assert tokens_and_logprobs(eager, prompt_ids) == replayed
-    assert tokens_and_logprobs(eager, prompt_ids[:1]) == alone
+    # Attention is batch-invariant; cuBLAS picks GEMM kernels by row count, so a bucket's
+    # padding may move the linear layers' last bits: tokens equal, logprobs close.
+    for (tokens, logprobs), (want_tokens, want_logprobs) in (
+            (tokens_and_logprobs(eager, prompt_ids), replayed),
+            (tokens_and_logprobs(eager, prompt_ids[:1]), alone)):
+        assert tokens == want_tokens
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-4)
 
 
 def test_caching_on_equals_off(gpu_llm, prompt_ids) -> None:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvmemo import LLM, SamplingParams
-from kvmemo.attention.metadata import AttentionMetadata
 from tests.engine.prompts import CHAT_PROMPTS, RAW_PROMPTS
 from tests.engine.test_beam_search import assert_same_beams, hf_beam_search
+from tests.model.test_native_weights import _teacher_forced
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -124,27 +124,6 @@ def test_beam_search_equals_transformers(gpu_llm, hf_gpu, prompt_ids, beam_width
         assert_same_beams(out, hf_beam_search(hf_gpu, ids, beam_width, 5))
 
 
-@torch.inference_mode()
-def teacher_forced(llm: LLM, prompt: list[int], continuation: list[int]) -> list[int]:
-    """The model's argmax after each token of prompt + continuation[:-1] past the prompt, one
-    token per step through the engine's paged cache on the GPU."""
-    runner = llm.engine.runner
-    cache, backend, device = runner.kv_cache, runner.attention_backend, runner.device
-    ids = prompt + continuation[:-1]
-    table = list(range(-(-len(ids) // cache.block_size)))
-    predicted = []
-    for position, token in enumerate(ids):
-        metadata = AttentionMetadata.build(
-            block_tables=[table], num_computed_tokens=[position], query_lens=[1],
-            block_size=cache.block_size, num_cache_blocks=cache.num_blocks, device=device)
-        hidden = runner.model(
-            torch.tensor([token], device=device), torch.tensor([position], device=device),
-            lambda layer, q, k, v: backend.forward(layer, q, k, v, cache, metadata))
-        if position >= len(prompt) - 1:
-            predicted.append(int(runner.model.compute_logits(hidden).argmax()))
-    return predicted
-
-
 def test_bf16_agrees_teacher_forced(prompt_ids, hf_tokens) -> None:
     """bf16 on the GPU: next tokens after the fp32 continuation agree at >= 99% of positions."""
     llm = LLM(device="cuda", dtype="bfloat16", weights="dense", num_blocks=1024,
@@ -152,7 +131,7 @@ def test_bf16_agrees_teacher_forced(prompt_ids, hf_tokens) -> None:
     assert llm.engine.runner.model.compute_dtype == torch.bfloat16
     same = total = 0
     for ids, ref in zip(prompt_ids, hf_tokens):
-        got = teacher_forced(llm, ids, ref)
+        got = _teacher_forced(llm, ids, ref)
         same += sum(a == b for a, b in zip(got, ref))
         total += len(ref)
     print(f"bf16 teacher-forced agreement: {same}/{total}")

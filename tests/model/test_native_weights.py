@@ -111,17 +111,19 @@ def test_native_needs_a_gguf(tmp_path) -> None:
 @torch.inference_mode()
 def _teacher_forced(llm: LLM, prompt: list[int], continuation: list[int]) -> list[int]:
     """The model's argmax after each token of prompt + continuation[:-1] past the prompt, fed one
-    token per step through the engine's paged cache (the decode path: kernels, fused KV write)."""
+    token per step through the engine's paged cache (the decode path: kernels, fused KV write),
+    on the engine's device."""
     runner = llm.engine.runner
-    cache, backend = runner.kv_cache, runner.attention_backend
+    cache, backend, device = runner.kv_cache, runner.attention_backend, runner.device
     ids = prompt + continuation[:-1]
     table = list(range(-(-len(ids) // cache.block_size)))
     predicted = []
     for position, token in enumerate(ids):
         metadata = AttentionMetadata.build(
             block_tables=[table], num_computed_tokens=[position], query_lens=[1],
-            block_size=cache.block_size, num_cache_blocks=cache.num_blocks, device="cpu")
-        hidden = runner.model(torch.tensor([token]), torch.tensor([position]),
+            block_size=cache.block_size, num_cache_blocks=cache.num_blocks, device=device)
+        hidden = runner.model(torch.tensor([token], device=device),
+                              torch.tensor([position], device=device),
                               lambda layer, q, k, v: backend.forward(layer, q, k, v, cache, metadata))
         if position >= len(prompt) - 1:
             predicted.append(int(runner.model.compute_logits(hidden).argmax()))

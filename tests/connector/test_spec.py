@@ -48,7 +48,7 @@ def test_engine_config_validates_kv_store():
 
 
 def test_cli_flag():
-    from kvmemo.cli import _engine_options, build_parser
+    from kvmemo.cli import build_parser, engine_options
 
     args = build_parser().parse_args(["generate", "hi", "--kv-store", "disk:/tmp/kv?capacity=1GiB"])
-    assert _engine_options(args)["kv_store"] == "disk:/tmp/kv?capacity=1GiB"
+    assert engine_options(args)["kv_store"] == "disk:/tmp/kv?capacity=1GiB"

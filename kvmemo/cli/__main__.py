@@ -1,0 +1,7 @@
+"""`python -m kvmemo.cli`: the same as the `kvmemo` command."""
+
+import sys
+
+from kvmemo.cli import main
+
+sys.exit(main())

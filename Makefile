@@ -30,7 +30,8 @@ demo: $(STAMP)
 # The kernel and model suites run again under every instruction-set level below this CPU's own
 # (KVMEMO_ISA, kvmemo/isa.py): an AVX-512 machine tests the AVX2 and plain x86-64 paths, so a
 # change tuned on one CPU cannot break another. Under avx2 (the floor of every CPU this project
-# serves) they run whole but for three long Gemma bookkeeping tests; under scalar (plain x86-64:
+# serves) they run whole but for the Gemma 3 HF-parity module (the real Gemma's kernels still run
+# in test_native_weights) and the Triton interpreter's NumPy tests; under scalar (plain x86-64:
 # the C kernels' portable paths, ATen's default kernels) the real-model tests are left out too,
 # which keeps CI within its 30 minutes: every kernel still runs there, on tiny models.
 ISA_SUITES := tests/test_isa.py tests/model tests/attention tests/engine/test_fused_sampling.py

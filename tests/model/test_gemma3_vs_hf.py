@@ -11,7 +11,10 @@ import torch
 
 from kvmemo import LLM, SamplingParams
 
-pytestmark = pytest.mark.model
+# Under a forced lower ISA (make test) the real Gemma's kernels still run in test_native_weights
+# and the tiny Gemma's in test_gemma3_tiny; this module's HF reference (a minute of transformers
+# generation) runs at the CPU's own level only, which keeps CI within its 30 minutes.
+pytestmark = [pytest.mark.model, pytest.mark.native_isa_only]
 NUM_NEW = 16
 WINDOW = 512
 
@@ -121,7 +124,6 @@ def test_chat_uses_gemmas_turn_format_and_equals_transformers(llm, hf) -> None:
     assert list(out.outputs[0].token_ids) == want
 
 
-@pytest.mark.native_isa_only
 def test_four_turn_conversation_past_the_window(llm, cold) -> None:
     """Each turn re-sends the history; caching serves it (window included) and changes
     nothing."""
@@ -148,7 +150,6 @@ def test_four_turn_conversation_past_the_window(llm, cold) -> None:
     assert all(h > 0 for h in hits[1:]), hits
 
 
-@pytest.mark.native_isa_only
 def test_requests_sharing_a_1500_token_prefix(llm, cold) -> None:
     tok = llm.engine.tokenizer
     prefix = tok(_text(120, 7)).input_ids[:1500]
@@ -162,7 +163,6 @@ def test_requests_sharing_a_1500_token_prefix(llm, cold) -> None:
     assert outputs[0].metrics.num_cached_tokens >= 1500
 
 
-@pytest.mark.native_isa_only
 def test_a_small_pool_evicts_and_stays_exact(gemma3_gguf, cold, prompts) -> None:
     """A pool of a few thousand tokens' worth: the long prompts evict each other's blocks."""
     small = LLM(str(gemma3_gguf), num_blocks=420, max_num_batched_tokens=256)
@@ -175,7 +175,6 @@ def test_a_small_pool_evicts_and_stays_exact(gemma3_gguf, cold, prompts) -> None
     gc.collect()
 
 
-@pytest.mark.native_isa_only
 def test_a_4096_token_sequence_holds_only_the_window_in_sliding_layers(llm) -> None:
     """At most full_layers x 4,096 + sliding_layers x (512 + one block) tokens' worth of KV,
     read from the pool's counters at every decode step."""

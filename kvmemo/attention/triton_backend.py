@@ -39,6 +39,7 @@ class TritonAttentionBackend:
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: TilePlan | None = None
         self._static_split: bool | None = None  # set while a CUDA graph is captured
+        self._processors: int | None = None  # the GPU's SMs, read once
 
     def use_static_plan(
         self, metadata: AttentionMetadata | None, plan: TilePlan | None, split: bool | None
@@ -97,8 +98,9 @@ class TritonAttentionBackend:
             return self.split
         if plan.num_segments == 1 or q.device.type != "cuda":
             return False
-        processors = torch.cuda.get_device_properties(q.device).multi_processor_count
-        return plan.num_tiles * kv_cache.num_kv_heads < processors
+        if self._processors is None:
+            self._processors = torch.cuda.get_device_properties(q.device).multi_processor_count
+        return plan.num_tiles * kv_cache.num_kv_heads < self._processors
 
 
 def check_triton_fits(kv_cache: PagedKVCache, device: torch.device) -> None:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvmemo.attention.cache import PagedKVCache
-from kvmemo.attention.kernels.triton_attention import SEGMENT, TilePlan, rows_per_tile
 from kvmemo.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:  # triton_attention imports triton (slow): only a runner on CUDA loads it
+    from kvmemo.attention.kernels.triton_attention import TilePlan
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,8 @@ class DecodeGraphs:
         self.device = device
         self.sizes = tuple(s for s in GRAPH_BATCH_SIZES if s < max_num_seqs) + (
             (graph_batch_size(max_num_seqs) or max_num_seqs),)
+        from kvmemo.attention.kernels.triton_attention import SEGMENT
+
         self.max_blocks = math.ceil(max_model_len / kv_cache.block_size)
         self.num_segments = math.ceil(max_model_len / SEGMENT)
         self.inputs = StaticDecodeInputs.allocate(self.sizes[-1], self.max_blocks, device)
@@ -133,6 +137,8 @@ class DecodeGraphs:
         return graph.hidden[: ids.shape[0]]
 
     def _static_metadata(self, size: int) -> tuple[AttentionMetadata, TilePlan]:
+        from kvmemo.attention.kernels.triton_attention import TilePlan, rows_per_tile
+
         inputs, device = self.inputs, self.device
         metadata = AttentionMetadata(
             slot_mapping=inputs.slot_mapping[:size],

@@ -20,7 +20,6 @@ from kvmemo.attention.backend import AttentionBackend, select_attention_backend
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.engine.blend_forward import blend_prefill
-from kvmemo.engine.cuda_graphs import DecodeGraphs
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -28,6 +27,7 @@ from kvmemo.kv.layout import KVGroup
 
 if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector
+    from kvmemo.engine.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 

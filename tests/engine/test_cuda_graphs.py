@@ -94,3 +94,14 @@ def test_replayed_attention_inputs_give_the_eager_bits() -> None:
     assert torch.equal(replayed[:2], eager)
     assert torch.equal(graph_cache.k_pages[0], cache.k_pages[0])  # padding wrote nothing
     assert torch.equal(graph_cache.v_pages[0], cache.v_pages[0])
+
+
+def test_importing_the_engine_does_not_import_triton() -> None:
+    """triton takes a quarter to half a second to import: only a runner that uses its kernels
+    (CUDA, or the interpreter) may pay for it, not every CPU start."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvmemo.engine, kvmemo.llm; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -16,7 +16,6 @@ from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
 from kvmemo.attention.cascade import cascade_attention
 from kvmemo.attention.fp8_fold import fold_fp8_query, unfold_fp8_output
 from kvmemo.attention.fused_decode import FusedDecode
-from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.names import ATTENTION_BACKENDS
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
@@ -24,6 +23,7 @@ from kvmemo.attention.prefix_packs import PrefixPacks
 from kvmemo.attention.step_checks import check_metadata_fits_cache, check_step_tensors
 from kvmemo.attention.torch_ref import paged_attention_ref
 from kvmemo.attention.workspace import Workspace
+from kvmemo.triton_support import triton_unavailable_reason
 
 
 class AttentionBackend(Protocol):

@@ -18,9 +18,9 @@ from kvmemo.attention.kernels.triton_attention import (
     paged_attention,
     write_pages,
 )
-from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.step_checks import check_metadata_fits_cache, check_step_tensors
+from kvmemo.triton_support import triton_unavailable_reason
 
 
 class TritonAttentionBackend:

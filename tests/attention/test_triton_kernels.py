@@ -19,8 +19,8 @@ from kvmemo.attention.backend import (
 )
 from kvmemo.attention.cache import FP8_DTYPE, PagedKVCache
 from kvmemo.attention.fp8 import scales_from_amax
-from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
 from kvmemo.attention.metadata import AttentionMetadata
+from kvmemo.triton_support import triton_unavailable_reason
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _reason = triton_unavailable_reason(DEVICE)

@@ -64,8 +64,8 @@ def test_replayed_attention_inputs_give_the_eager_bits() -> None:
     rows equal the eager step's bit for bit and the padded rows write no K/V."""
     import pytest
 
-    from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
     from kvmemo.engine.cuda_graphs import DecodeGraphs
+    from kvmemo.triton_support import triton_unavailable_reason
     from tests.attention.test_triton_kernels import DEVICE, build_step, clone_cache
 
     reason = triton_unavailable_reason(DEVICE)

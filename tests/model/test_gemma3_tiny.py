@@ -207,7 +207,7 @@ def test_preemption_under_a_small_pool_stays_exact(tiny, prompts, expected) -> N
 def test_triton_backend_equals_transformers(tiny, prompts, expected) -> None:
     """The engine on the Triton kernels (the GPU's backend; here Triton's interpreter): the same
     greedy tokens, over sliding and full layers, in prefill chunks that cross the window."""
-    from kvmemo.attention.kernels.triton_support import triton_unavailable_reason
+    from kvmemo.triton_support import triton_unavailable_reason
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reason = triton_unavailable_reason(device)

@@ -26,7 +26,7 @@ except ImportError:  # triton_support.triton_unavailable_reason says why nothing
     triton = None
     tl = None
 
-from kvmemo.attention.kernels.triton_support import interpreting
+from kvmemo.triton_support import interpreting
 
 INTERPRETING = interpreting()  # fixed at import, as Triton fixes it when the kernels are defined
 SEGMENT = 256  # key positions per softmax segment; a multiple of every supported block size

@@ -10,9 +10,10 @@ Invariant: a replay attends with the same bits as the eager step. The graphs att
 Triton backend in split mode over a fixed number of key segments (the model's limit; unsplit
 where their partial states would pass SPLIT_PARTIALS_BUDGET); the kernels merge segment states
 identically whatever the split (attention/kernels/triton_attention.py), and padded rows never
-enter a real row's attention. The linear layers are cuBLAS's, which picks its GEMM kernels by
-row count, so a bucket's padding can move their last bits: on a lent H200 replays gave the
-eager tokens, logprobs within 1e-4 (tests/gpu). Graphs are captured lazily, a bucket the first
+enter a real row's attention. The linear layers are the Triton GEMM (model/kernels/
+triton_linear.py), one tiling per weight whatever the row count, so padding rows move no bit of
+a real row either (with cuBLAS's GEMMs, KVMEMO_LINEAR_KERNEL=torch, they did: logprobs within
+1e-4 on an H200). Graphs are captured lazily, a bucket the first
 time a step needs it, and only where every step input is static: one layer group (no sliding
 windows), the Triton backend, CUDA. A capture that fails turns graphs off with one warning.
 """

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kvmemo.model.layers import linear as linear_kernels
 from kvmemo.model.layers import linear_probe
-from kvmemo.model.layers.linear import KERNELS, KernelChoice, Linear, kernel_usable
+from kvmemo.model.layers.linear import CPU_KERNELS, KernelChoice, Linear, kernel_usable
 from kvmemo.model.models.llama_fast import prepare
 
 CPU = torch.device("cpu")
@@ -24,7 +24,7 @@ def usable_or_skip(name: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)  # triton: test_triton_linear.py
 @pytest.mark.parametrize("rows", [1, 7, 32, 128, 129, 300])  # both classes, and tails of each
 @pytest.mark.parametrize("out_features,in_features", [(96, 576), (130, 70), (5, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])

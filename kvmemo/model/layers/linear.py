@@ -8,6 +8,9 @@ differs), so the choice changes speed, never the product. Kernels:
   and 3.6x at 32 (Zen 5, measured, see docs/benchmarks.md).
 - "skinny": kvmemo's C GEMM for at most 128 rows (decode) on a weight packed once into column
   panels, its DRAM reads overlapping its arithmetic (fp32 and bf16; skinny_linear.py).
+- "triton": a Triton GEMM with one tiling per weight (triton_linear.py), the GPU's: batch-
+  invariant where cuBLAS is not (it picks its kernel by row count). Runs on CUDA, and on CPU
+  only under Triton's interpreter (tests); never probed on a CPU.
 A `Linear` holds one weight and the kernels chosen for its two shape classes: "decode" (at most
 DECODE_ROWS rows: decode steps, logits) and "prefill" (more rows).
 """
@@ -23,10 +26,13 @@ import torch.nn.functional as F
 
 from kvmemo import isa
 from kvmemo.model.kernels import skinny_linear
+from kvmemo.triton_support import triton_unavailable_reason
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("torch", "onednn", "skinny")
+KERNELS = ("torch", "onednn", "skinny", "triton")
+CPU_KERNELS = ("torch", "onednn", "skinny")  # what a CPU probe times
+PLAIN_READERS = frozenset({"torch", "triton"})  # the kernels that read the plain weight
 DECODE_ROWS = skinny_linear.MAX_ROWS  # the few-row class: decode steps and logits
 
 
@@ -73,6 +79,9 @@ def onednn_available(dtype: torch.dtype) -> bool:
 def kernel_usable(name: str, dtype: torch.dtype, device: torch.device) -> bool:
     if name == "torch":
         return True
+    if name == "triton":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16) and (
+            triton_unavailable_reason(device) is None)
     if device.type != "cpu":
         return False
     if name == "onednn":
@@ -130,7 +139,7 @@ class Linear:
     @property
     def packed_only(self) -> bool:
         """No chosen kernel reads the plain weight (each reads a packed copy)."""
-        return "torch" not in (self.choice.decode, self.choice.prefill)
+        return not PLAIN_READERS & {self.choice.decode, self.choice.prefill}
 
     def release_plain(self) -> None:
         """Drops this object's reference to the plain weight (only when packed_only)."""
@@ -153,6 +162,11 @@ class Linear:
         if kernel == "onednn" and x.dtype == self._dtype:
             assert self._packed is not None
             return onednn_matmul(x, self._packed, self.bias)
+        if kernel == "triton" and x.dtype == self._dtype:
+            from kvmemo.model.kernels import triton_linear  # imports triton: only when chosen
+
+            out = triton_linear.linear(x.reshape(rows, x.shape[-1]), self.dense(), self.bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if kernel == "skinny":
             assert self._panels is not None
             out = skinny_linear.linear(x.reshape(rows, x.shape[-1]), self._panels)

@@ -3,7 +3,8 @@
 Invariant: the choice is keyed by everything that changes the answer (CPU model and flags, torch
 version, dtype, thread count, the model's weight shapes); a missing, corrupt or foreign cache file
 means the probe runs again and rewrites it (atomically), never an error. KVMEMO_LINEAR_KERNEL
-forces one kernel for both classes (torch, onednn or skinny, which serves decode only).
+forces one kernel for both classes (torch, onednn, skinny, which serves decode only, or triton).
+On a GPU nothing is probed: the Triton GEMM (batch-invariant), or torch's without triton.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from pathlib import Path
 import torch
 
 from kvmemo import isa
-from kvmemo.model.layers.linear import DECODE_ROWS, KERNELS, KernelChoice, Linear, kernel_usable
+from kvmemo.model.layers.linear import (
+    CPU_KERNELS,
+    DECODE_ROWS,
+    KERNELS,
+    KernelChoice,
+    Linear,
+    kernel_usable,
+)
 from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -39,6 +47,8 @@ _NEEDS = {
                                 "avx_ne_convert)",
     ("skinny", torch.bfloat16): " (needs a C compiler)",
     ("skinny", torch.float32): " (needs a C compiler)",
+    **{("triton", dtype): " (needs triton, and on a CPU TRITON_INTERPRET=1)"
+       for dtype in (torch.float32, torch.bfloat16, torch.float16)},
 }
 
 
@@ -65,8 +75,9 @@ def choose_kernels(weights: Sequence[torch.Tensor], device: torch.device) -> Ker
                 f"{_NEEDS.get((forced, dtype), '')}; allowed here: {', '.join(usable)}"
             )
         return KernelChoice(decode=forced, prefill="torch" if forced == "skinny" else forced)
-    if device.type != "cpu":
-        return KernelChoice()
+    if device.type != "cpu":  # a GPU: the batch-invariant Triton GEMM where triton runs
+        gpu_gemm = kernel_usable("triton", dtype, device)
+        return KernelChoice("triton", "triton") if gpu_gemm else KernelChoice()
     key = _key(shapes, dtype)
     entries = _read_cache()
     entry = entries.get(key)
@@ -148,7 +159,7 @@ def _measure(weights: Sequence[torch.Tensor]) -> tuple[KernelChoice, dict[str, f
     classes = {"decode": DECODE_PROBE_ROWS, "prefill": (PREFILL_PROBE_ROWS,)}
     assert all(r <= DECODE_ROWS for r in DECODE_PROBE_ROWS) and PREFILL_PROBE_ROWS > DECODE_ROWS
     for shape_class, row_counts in classes.items():
-        for name in KERNELS:
+        for name in CPU_KERNELS:
             if name == "skinny" and shape_class == "prefill":
                 continue  # built for decode (the head alone uses it past DECODE_ROWS)
             if not kernel_usable(name, dtype, cpu):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemo.host_copy import to_device
 from kvmemo.kv.layout import first_window_block
 
 
@@ -127,15 +128,18 @@ class AttentionMetadata:
                 f"{block_tables[s]}"
             )
         slot_mapping = _slot_mapping(tables, num_computed_tokens, query_lens, block_size)
+        slots_t, tables_t, query_lens_t, seq_lens_t = to_device(
+            [slot_mapping, tables, torch.tensor(query_lens, dtype=torch.int64),
+             torch.tensor(seq_lens, dtype=torch.int64)], device)
         return cls(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=tables.to(device),
+            slot_mapping=slots_t,
+            block_tables=tables_t,
             query_start_loc=query_start_loc,
             query_lens=list(query_lens),
             seq_lens=seq_lens,
             block_size=block_size,
-            query_lens_t=torch.tensor(query_lens, dtype=torch.int64, device=device),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_lens_t=query_lens_t,
+            seq_lens_t=seq_lens_t,
             num_cache_blocks=num_cache_blocks,
             sliding_window=sliding_window,
         )

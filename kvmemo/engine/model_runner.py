@@ -23,6 +23,7 @@ from kvmemo.engine.blend_forward import blend_prefill
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvmemo.host_copy import to_device
 from kvmemo.kv.layout import KVGroup
 
 if TYPE_CHECKING:
@@ -155,11 +156,14 @@ class ModelRunner:
             num_cache_blocks=self.kv_cache.num_blocks,
             device=self.device,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+        sampling = [i for i, s in enumerate(seqs) if s.needs_sample]
+        ids, positions_t, last_rows = to_device(  # [T], [T], [N]: one copy on a GPU
+            [torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+             torch.tensor([metadata.query_start_loc[i + 1] - 1 for i in sampling],
+                          dtype=torch.int64)], self.device)
         copies = getattr(self.model, "dense_copies", None)
         if copies is not None:  # native weights: batched steps may keep dense copies
             copies.sequences = len(seqs)
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         multimodal = self._multimodal_embeds(seqs, ids, metadata)
         hidden = None
         if self.decode_graphs is not None and not multimodal and len(ids) == len(seqs):
@@ -173,12 +177,8 @@ class ModelRunner:
             self._prompt_logprobs(hidden, seqs, metadata)
             if any(s.prompt_token_ids is not None for s in seqs) else {}
         )
-        sampling = [i for i, s in enumerate(seqs) if s.needs_sample]
         if not sampling:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
-        last_rows = torch.tensor(
-            [metadata.query_start_loc[i + 1] - 1 for i in sampling], device=self.device
-        )
         hidden = hidden.index_select(0, last_rows)  # [N, hidden]
         if not self.capture_logits and all(_plain_greedy(seqs[i]) for i in sampling):
             greedy = self._greedy_tokens(hidden)

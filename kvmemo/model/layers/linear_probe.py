@@ -68,7 +68,7 @@ def choose_kernels(weights: Sequence[torch.Tensor], device: torch.device) -> Ker
         if forced not in KERNELS:
             raise ValueError(f"KVMEMO_LINEAR_KERNEL must be one of {list(KERNELS)}, got {forced!r}")
         if device.type == "cpu" and not kernel_usable(forced, dtype, device):
-            usable = [name for name in KERNELS if kernel_usable(name, dtype, device)]
+            usable = [name for name in CPU_KERNELS if kernel_usable(name, dtype, device)]
             raise ValueError(
                 f"KVMEMO_LINEAR_KERNEL={forced} cannot compute {str(dtype).removeprefix('torch.')}"
                 f" on this CPU at the {isa.active()} instruction-set level"

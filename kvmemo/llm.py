@@ -6,6 +6,7 @@ Invariant: outputs[i] answers prompts[i]; n samples of one prompt come back in o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
@@ -14,8 +15,9 @@ from tqdm.auto import tqdm
 from kvmemo.config import EngineConfig
 from kvmemo.engine import BeamSearchParams, Engine, EngineStats, MemoryStats
 from kvmemo.intake.processor import ChatOptions, InputProcessor, ProcessedPrompt
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.tools import ChatTools, constrain_reply, render_tools
-from kvmemo.outputs import CompletionOutput, RequestOutput
+from kvmemo.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from kvmemo.sampling import SamplingParams
 from kvmemo.tool_calls import ToolPrompt, parse_reply
 
@@ -103,12 +105,10 @@ class LLM:
             rendering = render_tools(conversation, chat_options, chat_tools, template)
             params[i] = constrain_reply(params[i], rendering.prompt)
             docs = documents[i] if per_conversation and documents is not None else documents
-            prompts.append(
-                self.processor.process_chat(
-                    rendering.messages, rendering.options, cache_salt=cache_salt,
-                    documents=docs, kv_reuse=kv_reuse, recompute_ratio=recompute_ratio,
-                )
-            )
+            inputs = PromptInput(messages=rendering.messages, chat_options=rendering.options,
+                                 documents=docs, kv_reuse=kv_reuse,
+                                 recompute_ratio=recompute_ratio)
+            prompts.append(self.processor.process(inputs, cache_salt))
             tool_prompts.append(rendering.prompt)
         outputs = self._run(prompts, params, use_tqdm, cache_salt)
         for out, tool_prompt in zip(outputs, tool_prompts):
@@ -179,7 +179,9 @@ class LLM:
             for j, sample in enumerate(p.per_sample()):
                 rid = f"{prompt_id}-{j}"
                 groups[rid] = (i, j)
-                batch.append((rid, prompt, sample))
+                # Only the final output is read: no per-token copies of the text and ids.
+                final = dataclasses.replace(sample, output_kind=RequestOutputKind.FINAL_ONLY)
+                batch.append((rid, prompt, final))
         self.engine.add_requests(batch, cache_salt=cache_salt)
         finished = self._wait(list(groups), "requests", use_tqdm)
         return _group_samples(finished, groups, len(prompts))

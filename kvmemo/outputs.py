@@ -6,6 +6,23 @@ Invariant: num_cached_tokens <= num_prompt_tokens; ttft_s is None until the firs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(str, Enum):
+    """What each RequestOutput of a request holds (vLLM's names).
+
+    CUMULATIVE: everything so far (text, token ids, logprobs), after every token.
+    DELTA: only what is new since the request's previous output (a stream: each token costs the
+    same at the 4,000th as at the 10th); prompt logprobs once, in the first. Text a stop string
+    may still cut is held back until the next tokens settle it, so the deltas add up to the
+    final text.
+    FINAL_ONLY: one output, when the request finishes (LLM.generate's).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass

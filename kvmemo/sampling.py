@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvmemo.errors import InputError
+from kvmemo.outputs import RequestOutputKind
 from kvmemo.structured.params import StructuredOutputsParams
 
 
@@ -53,8 +54,14 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | list[int] | None = None  # sample only among these
     # The output follows this JSON schema / regex / choice / grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    # What each RequestOutput holds: everything so far, only what is new, or one final output.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        kinds = [k.value for k in RequestOutputKind]
+        _check("output_kind", self.output_kind in kinds,
+               f"output_kind must be one of {kinds}, got {self.output_kind!r}")
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         n = self.n
         _check("n", isinstance(n, int) and n >= 1, f"n must be an integer >= 1, got {n!r}")
         _check(

@@ -26,6 +26,7 @@ from pathlib import Path
 from benchmarks.paths import RESULTS
 from benchmarks.runners.run_core import machine
 from kvmemo import LLM, SamplingParams
+from kvmemo.intake.prompt_input import PromptInput
 from tests.multimodal.tiny_llava import save_random_llava
 
 QUESTIONS = [
@@ -108,7 +109,8 @@ def hashing_cost(llm: LLM, prompts: list[dict]) -> dict:
     modes (the hash is what makes a picture cacheable at all), timed too for scale."""
     engine = llm.engine
     start = time.perf_counter()
-    processed = [engine.processor.process(p["prompt"], p["images"]) for p in prompts]
+    processed = [engine.processor.process(PromptInput(prompt=p["prompt"], images=p["images"]))
+                 for p in prompts]
     process_s = time.perf_counter() - start
     hasher = engine.layout.new_hasher()
     start = time.perf_counter()

@@ -20,9 +20,9 @@ from typing import Any, cast
 
 from kvmemo.engine.engine import Engine
 from kvmemo.engine.stats import EngineStats, KVInfo
-from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.kv.hashing import BlockHash
-from kvmemo.outputs import RequestOutput
+from kvmemo.outputs import RequestOutput, RequestOutputKind
 from kvmemo.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ class EngineDeadError(Exception):
 
 @dataclass(frozen=True)
 class StreamItem:
-    """One update of one sequence: its cumulative output, and text for new logprob token ids."""
+    """One update of one sequence: its output (cumulative or a delta, as its SamplingParams'
+    output_kind asks), and text for new logprob token ids."""
 
     index: int  # which of the request's n samples
     output: RequestOutput
@@ -50,25 +51,20 @@ class StreamItem:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int] | None
-    messages: list[dict[str, Any]] | None
+    inputs: PromptInput
     params: SamplingParams
     cache_salt: str | None
     fill_context: bool  # max_tokens = whatever context the prompt leaves
     echo: bool  # the stream needs the prompt as text
-    chat_options: ChatOptions | None  # how messages are rendered
-    add_special_tokens: bool  # a text prompt gets the tokenizer's special tokens
-    truncate_prompt_tokens: int | None  # keep only the prompt's last this many tokens
     stream: RequestStream
     done: asyncio.Future
-    # A segmented prompt (instead of prompt / messages), or documents beside messages, and
-    # how they reuse KV (kvmemo/intake/segments.py)
-    segments: list[Any] | None = None
-    documents: list[str] | None = None
-    kv_reuse: str | None = None
-    recompute_ratio: float | None = None
     # The text prompt's token ids, when it was tokenized with the other adds of its batch
     token_ids: list[int] | None = None
+
+
+@dataclass
+class _Abort:
+    sequence_ids: list[str]
 
 
 @dataclass
@@ -83,6 +79,7 @@ class _Sequence:
     stream: RequestStream
     index: int
     wants_logprobs: bool
+    delta: bool = False  # its outputs are deltas (RequestOutputKind.DELTA)
     num_logprob_entries: int = 0
     prompt_texts_sent: bool = False  # the prompt logprobs' token texts went out
 
@@ -144,7 +141,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Call | list[str]] = []
+        self._commands: list[_Add | _Call | _Abort] = []
         self._stopped = False
         self._sequences: dict[str, _Sequence] = {}
         self._ids = itertools.count()
@@ -173,42 +170,29 @@ class AsyncEngine:
     async def add_request(
         self,
         params: SamplingParams,
+        inputs: PromptInput,
         *,
-        prompt: str | list[int] | None = None,
-        messages: list[dict[str, Any]] | None = None,
         cache_salt: str | None = None,
-        fill_context: bool = False,
         request_id: str | None = None,
         echo: bool = False,
-        chat_options: ChatOptions | None = None,
-        add_special_tokens: bool = True,
-        truncate_prompt_tokens: int | None = None,
-        segments: list[Any] | None = None,
-        documents: list[str] | None = None,
-        kv_reuse: str | None = None,
-        recompute_ratio: float | None = None,
+        fill_context: bool = False,
     ) -> RequestStream:
         """Queue one request of params.n sequences; returns once the engine accepted it.
 
-        Raises ValueError (bad prompt, too long, bad cache_salt), QueueFullError or
-        EngineDeadError. Exactly one of prompt and messages must be given. echo: the stream's
-        prompt_text holds the prompt as text (decoded, for a token-id prompt). chat_options
-        render messages; add_special_tokens applies to a text prompt; truncate_prompt_tokens
-        keeps the prompt's last that many tokens. segments: a segmented prompt instead;
-        documents: for messages; kv_reuse and recompute_ratio: for either (segments.py).
+        inputs: the prompt, chat or segments and the options that shape its tokens (the
+        engine thread hands it to InputProcessor.process). Raises ValueError (bad prompt, too
+        long, bad cache_salt), QueueFullError or EngineDeadError. echo: the stream's
+        prompt_text holds the prompt as text (decoded, for a token-id prompt). fill_context:
+        max_tokens is whatever context the prompt leaves.
         """
-        if sum(x is not None for x in (prompt, messages, segments)) != 1:
-            raise ValueError("give exactly one of prompt, messages and segments")
+        if not isinstance(inputs, PromptInput):
+            raise TypeError(f"inputs must be a PromptInput, got {type(inputs).__name__}")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, params.n, loop)
         done = loop.create_future()
         self._submit(
-            _Add(
-                request_id, prompt, messages, params, cache_salt, fill_context, echo,
-                chat_options, add_special_tokens, truncate_prompt_tokens, stream, done,
-                segments, documents, kv_reuse, recompute_ratio,
-            )
+            _Add(request_id, inputs, params, cache_salt, fill_context, echo, stream, done)
         )
         try:
             await done
@@ -250,7 +234,7 @@ class AsyncEngine:
 
     def _abort(self, sequence_ids: list[str]) -> None:
         with self._cond:
-            self._commands.append(list(sequence_ids))
+            self._commands.append(_Abort(list(sequence_ids)))
             self._cond.notify()
 
     def _submit(self, command: _Add | _Call) -> None:
@@ -300,13 +284,13 @@ class AsyncEngine:
                         now - last_stats, self.num_generated_tokens - tokens_at_last_stats
                     )
                 last_stats, tokens_at_last_stats = now, self.num_generated_tokens
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._fail_all(EngineDeadError("the engine was shut down"), pending=True)
 
     def _queue_full(self, num_waiting: int, n: int) -> bool:
         """Admitting n more sequences behind num_waiting would pass max_waiting."""
         return num_waiting + n > self.max_waiting
 
-    def _tokenize_texts(self, commands: list[_Add | _Call | list[str]]) -> None:
+    def _tokenize_texts(self, commands: list[_Add | _Call | _Abort]) -> None:
         """The text prompts of a burst of adds in one tokenizer call (it encodes a batch on
         every core, at about half the time of one call per prompt: 63 random-token prompts of
         1,056 tokens took ~90 ms against ~190, Zen 4), so the burst's first step starts
@@ -322,25 +306,26 @@ class AsyncEngine:
             if self._queue_full(waiting, c.params.n):
                 continue  # _add turns it away (503) before any tokenizing: keep that cheap
             waiting += c.params.n
-            if (isinstance(c.prompt, str) and c.prompt and c.messages is None
-                    and c.segments is None and processor.blend_pieces(c.prompt) is None):
+            prompt = c.inputs.prompt
+            if (isinstance(prompt, str) and prompt and not c.inputs.images
+                    and processor.blend_pieces(prompt) is None):
                 texts.append(c)  # (segments are encoded piece by piece)
         for special in (True, False):
-            batch = [c for c in texts if c.add_special_tokens is special]
+            batch = [c for c in texts if c.inputs.add_special_tokens is special]
             if len(batch) < 2:
                 continue
             try:
                 encoded = processor.encode_texts(
-                    [cast(str, c.prompt) for c in batch], add_special_tokens=special
+                    [cast(str, c.inputs.prompt) for c in batch], add_special_tokens=special
                 )
             except Exception:  # noqa: BLE001 -- each add then encodes and reports its own
                 continue
             for command, token_ids in zip(batch, encoded):
                 command.token_ids = token_ids
 
-    def _apply(self, command: _Add | _Call | list[str]) -> None:
-        if isinstance(command, list):
-            for sequence_id in command:
+    def _apply(self, command: _Add | _Call | _Abort) -> None:
+        if isinstance(command, _Abort):
+            for sequence_id in command.sequence_ids:
                 if self._sequences.pop(sequence_id, None) is not None:
                     self.engine.abort_request(sequence_id)
             return
@@ -368,26 +353,8 @@ class AsyncEngine:
                 f"the server is overloaded: {num_waiting} requests are waiting "
                 f"(limit {self.max_waiting}); retry later"
             )
-        processor = self.engine.processor
-        if command.messages is not None:
-            prompt = processor.process_chat(
-                command.messages, command.chat_options, cache_salt=command.cache_salt,
-                documents=command.documents, kv_reuse=command.kv_reuse,
-                recompute_ratio=command.recompute_ratio,
-            )
-        elif command.segments is not None:
-            prompt = processor.process_segments(
-                command.segments, command.kv_reuse, command.recompute_ratio
-            )
-        else:
-            assert command.prompt is not None  # add_request takes exactly one of the two
-            prompt = processor.process(
-                command.prompt, add_special_tokens=command.add_special_tokens,
-                kv_reuse=command.kv_reuse, recompute_ratio=command.recompute_ratio,
-                token_ids=command.token_ids,
-            )
-        if command.truncate_prompt_tokens is not None:
-            prompt = processor.truncate(prompt, command.truncate_prompt_tokens)
+        prompt = self.engine.processor.process(command.inputs, command.cache_salt,
+                                               token_ids=command.token_ids)
         if command.fill_context:
             room = self.max_model_len - len(prompt.token_ids)
             params = params.with_max_tokens(max(room, 1))
@@ -403,7 +370,9 @@ class AsyncEngine:
             cache_salt=command.cache_salt,
         )
         for j, (sequence_id, _) in enumerate(samples):
-            self._sequences[sequence_id] = _Sequence(command.stream, j, params.logprobs is not None)
+            self._sequences[sequence_id] = _Sequence(
+                command.stream, j, params.logprobs is not None,
+                delta=params.output_kind == RequestOutputKind.DELTA)
 
     def _deliver(self, out: RequestOutput) -> None:
         sequence = self._sequences.get(out.request_id)
@@ -421,16 +390,22 @@ class AsyncEngine:
                         token_texts[token_id] = tokenizer.decode([token_id])
             sequence.prompt_texts_sent = True
         if sequence.wants_logprobs and logprobs:
-            for entry in logprobs[sequence.num_logprob_entries :]:
+            # A delta output holds only new entries; a cumulative one all of them.
+            for entry in logprobs if sequence.delta else logprobs[sequence.num_logprob_entries :]:
                 for token_id in entry:
                     if token_id not in token_texts:
                         token_texts[token_id] = tokenizer.decode([token_id])
-            sequence.num_logprob_entries = len(logprobs)
+            sequence.num_logprob_entries += len(logprobs) if sequence.delta else (
+                len(logprobs) - sequence.num_logprob_entries)
         sequence.stream._put(StreamItem(sequence.index, out, token_texts))
         if out.finished:
             del self._sequences[out.request_id]
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, error: Exception, *, pending: bool = False) -> None:
+        """Fail every running sequence with `error`; with pending, also the commands not yet
+        applied (at shutdown). A failed step leaves those alone: they arrived after the batch
+        it poisoned, and the engine keeps serving (a client that saw the error and retried at
+        once was failed too, while this thread was still here)."""
         for sequence_id, sequence in list(self._sequences.items()):
             try:
                 self.engine.abort_request(sequence_id)
@@ -438,6 +413,8 @@ class AsyncEngine:
                 logger.exception("abort of %s failed", sequence_id)
             sequence.stream._put(error)
         self._sequences.clear()
+        if not pending:
+            return
         with self._cond:
             commands, self._commands = self._commands, []
         for command in commands:

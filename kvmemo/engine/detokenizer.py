@@ -28,12 +28,51 @@ class IncrementalDetokenizer:
     stop_strings: tuple[str, ...]
     skip_special_tokens: bool = True  # special tokens (e.g. <|im_end|>) leave no text
     include_stop_str: bool = False  # the text keeps the stop string that ended it
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     stop_reason: str | None = None
     num_decoded_tokens: int = 0  # token ids passed to decode so far (the cost, for tests)
     _prefix_offset: int = 0  # the window starts here: tokens before it are settled in `text`
     _read_offset: int = 0  # tokens [_prefix_offset, _read_offset) are in `text` too
+    # The text as pieces, joined when read: `text += added` on an attribute copies the whole
+    # string every token (CPython extends in place only a local's).
+    _pieces: list[str] = field(default_factory=list)
+    _length: int = 0
+
+    @property
+    def text(self) -> str:
+        """The text so far (cut at a stop string)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def text_since(self, offset: int) -> str:
+        """text[offset:], reading only the pieces past `offset` (a streamed delta's cost)."""
+        if offset >= self._length:
+            return ""
+        tail: list[str] = []
+        start = self._length
+        for piece in reversed(self._pieces):
+            if start <= offset:
+                break
+            tail.append(piece)
+            start -= len(piece)
+        joined = "".join(reversed(tail))
+        return joined[offset - start:]
+
+    @property
+    def held_back(self) -> int:
+        """Characters at the end of the text that a stop string may still cut (its length - 1):
+        a stream sends them only once the next tokens settle them."""
+        if self.stop_reason is not None or not self.stop_strings:
+            return 0
+        return max(len(s) for s in self.stop_strings) - 1
+
+    def _set_text(self, text: str) -> None:
+        self._pieces, self._length = [text], len(text)
 
     def add_token(self, token_id: int, is_last: bool, *, shown: bool = True) -> bool:
         """Append a token; return True when a stop string was hit (text is cut before it, or
@@ -45,23 +84,28 @@ class IncrementalDetokenizer:
         if window.endswith("\ufffd") and not is_last:
             return False  # an unfinished multi-byte character: wait for the next token
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0))
+        search_from = max(0, self._length - max((len(s) for s in self.stop_strings), default=0))
         if window.startswith(prefix):
-            added = window[len(prefix) :]
-            self.text += added
+            added: str | None = window[len(prefix) :]
+            if added:
+                self._pieces.append(added)
+                self._length += len(added)
         else:  # the window's decode rewrote its prefix's: decode everything, exactly
-            self.text = self._decode(self.token_ids)
+            self._set_text(self._decode(self.token_ids))
             added, search_from = None, 0  # earlier text may have changed: search all of it
         # A step that added no text (a skipped special token) keeps its window: started at that
         # token, the next window would decode without the text before it, and a decoder that
         # strips a decode's leading space (Llama's, Mistral's) would drop the next word's.
         if added != "":
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        if not self.stop_strings:
+            return False
+        searched = self.text_since(search_from)
         for stop in self.stop_strings:
-            index = self.text.find(stop, search_from)
+            index = searched.find(stop)
             if index != -1:
-                end = index + len(stop) if self.include_stop_str else index
-                self.text = self.text[:end]
+                end = search_from + index + (len(stop) if self.include_stop_str else 0)
+                self._set_text(self.text[:end])
                 self.stop_reason = stop
                 return True
         return False

@@ -1,5 +1,5 @@
-"""Engine: schedule -> execute -> update, one step at a time; the only place wiring kv/, model/
-and attention/ together.
+"""Engine: schedule -> execute -> update -> process outputs, one step at a time, over the parts
+build_engine (builder.py) wired together: kv/, model/ and attention/ meet nowhere else.
 
 Invariant: after step() returns, every block whose KV the step computed is committed (reusable;
 a beam search's generated blocks only when the search ends, see BeamSearchDriver), and every
@@ -14,173 +14,50 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import torch
-
-from kvmemo.attention.backend import select_attention_backend
 from kvmemo.config import EngineConfig
-from kvmemo.engine.beam_driver import BeamSearchDriver
-from kvmemo.engine.beam_search import BeamSearch, BeamSearchParams
-from kvmemo.engine.blend_driver import BlendDriver, BlendSettings, check_blend_supported
-from kvmemo.engine.cpu_malloc import keep_freed_memory, return_freed_memory
-from kvmemo.engine.cuda_graphs import DecodeGraphs, decode_graphs_apply
-from kvmemo.engine.detokenizer import IncrementalDetokenizer
-from kvmemo.engine.encoder_cache import EncoderCache
-from kvmemo.engine.kv_setup import build_kv, build_kv_connector
-from kvmemo.engine.model_runner import ModelRunner
-from kvmemo.engine.sampler import Sampler
-from kvmemo.engine.scheduler import Scheduler, SchedulerLimits
+from kvmemo.engine.beam_search import BeamSearchParams
+from kvmemo.engine.blend_driver import check_blend_supported
+from kvmemo.engine.builder import build_engine
 from kvmemo.engine.stats import EngineStats, KVInfo, MemoryStats, collect_stats
 from kvmemo.errors import InputError
-from kvmemo.intake.processor import InputProcessor, ProcessedPrompt
+from kvmemo.intake.processor import ProcessedPrompt
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash
-from kvmemo.kv.hybrid import HybridKVCacheManager
-from kvmemo.kv.manager import KVCacheManager
-from kvmemo.model.layers.native_linear import DenseCopies
-from kvmemo.model.loading.loader import load_model
-from kvmemo.model.models.llama_fast import prepare as prepare_model
-from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvmemo.outputs import RequestOutput
 from kvmemo.request import Request, RequestStatus
 from kvmemo.sampling import SamplingParams
 from kvmemo.structured.grammar import StructuredOutputCompiler
-from kvmemo.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device 'cuda' was asked for but no CUDA device is available; use 'cpu' or 'auto'"
-        )
-    return torch.device(name)
-
-
-@dataclass
-class _Tracked:
-    """Engine-side state of one request: its text so far and what the caller was sent."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None
-    beam_search: BeamSearch | None = None
-    # Per prompt token (the first has none), when prompt logprobs were asked for.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    blended: bool = False  # a segmented prompt run with kv_reuse="blend"
 
 
 class Engine:
     """Owns the model runner, the scheduler, the KV cache manager and the beam search driver."""
 
     def __init__(self, config: EngineConfig):
+        parts = build_engine(config)  # engine/builder.py: every part, wired
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # prefill's activations are reused, not page-faulted in again
-        else:
-            # cuBLAS may otherwise sum bf16/fp16 products in reduced precision (split-K):
-            # kvmemo's half-precision mode keeps fp32 sums, as its CPU kernels do.
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        start = time.perf_counter()
-        loaded = load_model(
-            config.model, dtype=config.dtype, device=str(self.device), weights=config.weights
-        )
-        compute_dtype = loaded.dtype  # config.dtype, "auto" resolved
-        # Native weights may keep dense copies for batched steps, within this budget.
-        loaded.model.dense_copies = DenseCopies(
-            parse_size_bytes(config.dense_cache_memory, "dense_cache_memory",
-                             allow_zero=True))
-        # Linear layers bind to the fastest kernels here (probed once per machine, cached).
-        self.linear_kernels = prepare_model(loaded.model)
-        if self.device.type == "cpu":
-            return_freed_memory()  # plain weights oneDNN no longer reads
-        arch = loaded.arch_config
-        self.loaded = loaded  # the model, its config, tokenizer and weights fingerprint
-        self.weights_fingerprint = loaded.weights_fingerprint
-        self.tokenizer = loaded.tokenizer
-        self.processor = InputProcessor(
-            loaded.tokenizer, arch.vocab_size, config.chat_template or loaded.chat_template,
-            loaded.image_input, blend_separator=config.blend_separator,
-        )
-        self.max_model_len = min(
-            config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
-        )
-        self.eos_token_ids = frozenset(arch.eos_token_ids)
-
-        self.layout, kv_cache = build_kv(
-            config, loaded, compute_dtype, self.device, self.processor.encode_prompt,
-            self.max_model_len,
-        )
-        self.hasher = self.layout.new_hasher()
-        manager_class = HybridKVCacheManager if self.layout.is_hybrid else KVCacheManager
-        self.kv_manager = manager_class(
-            self.layout,
-            enable_caching=config.enable_prefix_caching,
-            enable_partial_reuse=config.enable_partial_reuse,
-            # The KV store saves what BlockStored events announce, so it needs them too.
-            enable_events=config.enable_kv_events or config.kv_store is not None,
-        )
-        self.kv_connector = build_kv_connector(config, self.layout, loaded.path, kv_cache)
-        self.scheduler = Scheduler(
-            SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
-            self.kv_manager,
-            self.kv_connector,
-        )
-        self.beams = BeamSearchDriver(
-            self.scheduler,
-            self.kv_manager,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=arch.vocab_size,
-            max_model_len=self.max_model_len,
-        )
-        self.blends = BlendDriver(
-            self.scheduler,
-            self.kv_manager,
-            self.kv_connector,
-            BlendSettings(
-                config.blend_recompute_ratio, config.blend_check_layer, config.blend_min_reuse
-            ),
-        )
-        encoder_cache = None
-        if loaded.image_input is not None:
-            capacity = parse_size_bytes(config.encoder_cache_memory, "encoder_cache_memory")
-            encoder_cache = EncoderCache(capacity)
-        self.runner = ModelRunner(
-            loaded.model,
-            kv_cache,
-            Sampler(config.seed, self.device, self.eos_token_ids),
-            scale=arch.attention_scale,
-            device=self.device,
-            attention_backend=select_attention_backend(
-                config.attention_backend, arch.attention_scale, self.device
-            ),
-            kv_connector=self.kv_connector,
-            encoder_cache=encoder_cache,
-            kv_groups=self.layout.groups,
-        )
-        self.runner.track_block_generations(self.kv_manager.block_pool.generations)
-        if decode_graphs_apply(self.device, self.runner.attention_backend.name,
-                               len(self.layout.groups), config.enforce_eager):
-            self.runner.decode_graphs = DecodeGraphs(
-                loaded.model, kv_cache, self.runner.attention_backend, self.max_model_len,
-                config.max_num_seqs, arch.num_attention_heads,
-            )
-        self._tracked: dict[str, _Tracked] = {}
+        self.device = parts.device
+        self.loaded = parts.loaded  # the model, its config, tokenizer and weights fingerprint
+        self.weights_fingerprint = parts.loaded.weights_fingerprint
+        self.tokenizer = parts.loaded.tokenizer
+        self.linear_kernels = parts.linear_kernels
+        self.processor = parts.processor
+        self.max_model_len = parts.max_model_len
+        self.eos_token_ids = parts.eos_token_ids
+        self.layout = parts.layout
+        self.hasher = parts.hasher
+        self.kv_manager = parts.kv_manager
+        self.kv_connector = parts.kv_connector
+        self.scheduler = parts.scheduler
+        self.beams = parts.beams
+        self.blends = parts.blends
+        self.runner = parts.runner
+        self.outputs = parts.outputs
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self._structured: StructuredOutputCompiler | None = None
         self.num_steps = 0
-        logger.info(
-            "engine ready in %.1f s on %s (linear kernels: decode %s, prefill %s)",
-            time.perf_counter() - start, self.device,
-            self.linear_kernels.decode, self.linear_kernels.prefill,
-        )
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -215,18 +92,7 @@ class Engine:
             request = self._new_request(request_id, prompt, params, cache_salt)
             request.constraint = constraint
             self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(
-            request=request,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, params.stop_strings, params.skip_special_tokens,
-                params.include_stop_str_in_output,
-            ),
-            logprobs=[] if params.logprobs is not None else None,
-            prompt_logprobs=(
-                [None] * request.num_prompt_tokens if params.prompt_logprobs is not None else None
-            ),
-            blended=blended,
-        )
+        self.outputs.add(request, blended=blended)
 
     def _wants_blend(self, prompt: ProcessedPrompt, params: SamplingParams) -> bool:
         """True when the prompt is segmented, has chunks, and its kv_reuse (or the engine's
@@ -316,12 +182,7 @@ class Engine:
         root_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0)
         root = self._new_request(request_id, prompt, root_params, cache_salt, sample_tokens=False)
         search = self.beams.add(root, params)
-        self._tracked[request_id] = _Tracked(
-            request=root,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ()),
-            logprobs=None,
-            beam_search=search,
-        )
+        self.outputs.add(root, beam_search=search)
 
     def _new_request(
         self,
@@ -380,7 +241,7 @@ class Engine:
         if not self.beams.abort(request_id):
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.blends.abort(request_id)
-        self._tracked.pop(request_id, None)
+        self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -393,15 +254,16 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that got a token or finished."""
+        """Run one step: schedule -> execute -> update -> process outputs. Returns an output for
+        every request that got a token or finished (as its output kind allows)."""
         output = self.scheduler.schedule()
         result = self.runner.execute(output)
         self.num_steps += 1
         sampled = {rid: t.token_id for rid, t in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)
         for request_id, reused in result.blend_counts.items():
-            blended = self._tracked.get(request_id)
-            spec = blended.request.blend if blended is not None else None
+            state = self.outputs.get(request_id)
+            spec = state.request.blend if state is not None else None
             if spec is not None:
                 spec.num_reused_tokens = reused
         if self.blends.is_driving:
@@ -410,113 +272,14 @@ class Engine:
             chunks = [r for r in touched if self.blends.is_chunk(r.request_id)]
             touched = [r for r in touched if not self.blends.is_chunk(r.request_id)]
             self.blends.after_step(chunks + touched)
-        for request_id, (first, entries) in result.prompt_logprobs.items():
-            # By position: a preempted request recomputes its prompt and rewrites the same.
-            tracked_request = self._tracked.get(request_id)
-            tracked_prompt = tracked_request.prompt_logprobs if tracked_request else None
-            if tracked_prompt is not None:
-                tracked_prompt[first : first + len(entries)] = entries
+        self.outputs.record_prompt_logprobs(result.prompt_logprobs)
         ended = (
             self.beams.after_step(result.logprobs_rows, output.preempted_request_ids)
             if self.beams.searches
             else []
         )
         self._publish_kv_events()
-        now = time.monotonic()
-        outputs = []
-        for request in touched:
-            tracked = self._tracked[request.request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            token = result.sampled[request.request_id]
-            if request.constraint is not None and not request.constraint.accept(token.token_id):
-                # Only a sampler fallback (a row left with no usable probability) gets here.
-                logger.error("request %s: token %d breaks its grammar; stopping it",
-                             request.request_id, token.token_id)
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            if tracked.logprobs is not None:
-                assert token.logprob is not None, "the sampler returns it when logprobs is set"
-                entry = dict(token.top_logprobs or {})
-                entry[token.token_id] = token.logprob
-                tracked.logprobs.append(entry)
-            # The EOS or stop token id that ended the output leaves no text (vLLM's rule), unless
-            # the stop is to be included.
-            shown = not (
-                request.status == RequestStatus.FINISHED_STOPPED
-                and request.stop_reason == token.token_id
-                and not request.sampling_params.include_stop_str_in_output
-            )
-            if tracked.detokenizer.add_token(
-                token.token_id, is_last=request.is_finished, shown=shown
-            ):
-                request.stop_reason = tracked.detokenizer.stop_reason
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            if not shown:  # ended by EOS or a stop token id: the text is all of the rest
-                self.processor.reply_tokens.remember(
-                    tracked.detokenizer.text, request.output_token_ids[:-1], request.cache_salt
-                )
-            outputs.append(self._make_output(tracked, now))
-            if request.is_finished:
-                del self._tracked[request.request_id]
-        for search in ended:
-            tracked = self._tracked.pop(search.root.request_id)
-            outputs.append(self._make_beam_output(tracked, now))
-        return outputs
-
-    def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
-        request = tracked.request
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=tracked.logprobs,
-        )
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            first_token_time=request.first_token_time,
-            finished_time=now if request.is_finished else None,
-            num_preemptions=request.num_preemptions,
-        )
-        if tracked.blended:
-            spec = request.blend
-            reused = spec.num_reused_tokens if spec is not None else 0
-            metrics.num_blended_tokens = reused
-            metrics.num_recomputed_tokens = (
-                request.num_prompt_tokens - metrics.num_cached_tokens - reused
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt_text,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.is_finished,
-            metrics=metrics,
-            prompt_logprobs=tracked.prompt_logprobs,
-        )
-
-    def _make_beam_output(self, tracked: _Tracked, now: float) -> RequestOutput:
-        request, search = tracked.request, tracked.beam_search
-        assert search is not None
-        request.first_token_time = request.first_token_time or now
-        completions = [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(beam.request.output_token_ids, skip_special_tokens=True),
-                token_ids=list(beam.request.output_token_ids),
-                finish_reason="stop" if beam.ended_with_eos else "length",
-                stop_reason=beam.request.output_token_ids[-1] if beam.ended_with_eos else None,
-                cumulative_logprob=beam.cumulative_logprob,
-                score=beam.score,
-            )
-            for i, beam in enumerate(search.finished)
-        ]
-        out = self._make_output(tracked, now)
-        out.outputs = completions
-        return out
+        return self.outputs.process(touched, result.sampled, ended, time.monotonic())
 
     # ---- what the engine tells the outside -------------------------------------------------
 

@@ -17,6 +17,8 @@ from typing import Any
 import jinja2
 
 from kvmemo.errors import InputError
+from kvmemo.intake.chat_options import ChatOptions
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.reply_tokens import ReplyTokenCache
 from kvmemo.intake.segments import (
     SegmentPlan,
@@ -48,29 +50,6 @@ class ProcessedPrompt:
     segments: SegmentPlan | None = None
 
 
-@dataclass(frozen=True)
-class ChatOptions:
-    """How a conversation is rendered (vLLM's chat request options, the same names)."""
-
-    add_generation_prompt: bool = True  # end with the assistant's header: the model answers
-    # End inside the last (assistant) message instead, so the model continues it.
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the template writes its own; True adds a BOS on top
-    template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
-    chat_template: str | None = None  # a Jinja template for this request (the model's if None)
-    # OpenAI-form tools for a template that takes them (kvmemo.tool_calls decides; the fallback
-    # renders tools into the messages instead)
-    tools: list[dict[str, Any]] | None = None
-
-    def __post_init__(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InputError(
-                "continue_final_message",
-                "continue_final_message needs add_generation_prompt: false (it continues the "
-                "last message instead of starting a new one)",
-            )
-
-
 class InputProcessor:
     """Owns the tokenizer, the chat template and (for multimodal models) the image spec."""
 
@@ -95,27 +74,47 @@ class InputProcessor:
 
     def process(
         self,
-        prompt: str | list[int],
-        images: list[Any] | None = None,
+        inputs: PromptInput | str | list[int],
+        cache_salt: str | None = None,
         *,
-        add_special_tokens: bool = True,
-        kv_reuse: Any = None,
-        recompute_ratio: Any = None,
         token_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
-        """Tokenize `prompt`; with images, each image marker (e.g. "<image>") becomes the image's
-        placeholder tokens. A token-id prompt marks images with the image token id, unexpanded.
-        add_special_tokens: the tokenizer's own (a BOS, for models that use one) on a text.
-        A text holding the blend separator becomes segments (kv_reuse, recompute_ratio:
-        theirs). token_ids: the text's encoding by encode_texts, when a caller batched it."""
+        """The intake's front door: LLM, AsyncEngine (and so the server), /tokenize and the
+        router's prompt hasher all turn their input into tokens here. A bare text or token-id
+        list is PromptInput(prompt=...). cache_salt: a chat's (reply tokens are remembered per
+        salt). token_ids: a text prompt's encoding by encode_texts, when a caller batched it."""
+        if not isinstance(inputs, PromptInput):
+            inputs = PromptInput(prompt=inputs)
+        if inputs.messages is not None:
+            prompt = self.process_chat(
+                inputs.messages, inputs.chat_options, cache_salt=cache_salt,
+                documents=inputs.documents, kv_reuse=inputs.kv_reuse,
+                recompute_ratio=inputs.recompute_ratio,
+            )
+        elif inputs.segments is not None:
+            prompt = self.process_segments(inputs.segments, inputs.kv_reuse,
+                                           inputs.recompute_ratio)
+        else:
+            assert inputs.prompt is not None  # PromptInput holds exactly one form
+            prompt = self._process_prompt(inputs, token_ids)
+        if inputs.truncate_prompt_tokens is not None:
+            prompt = self.truncate(prompt, inputs.truncate_prompt_tokens)
+        return prompt
+
+    def _process_prompt(self, inputs: PromptInput, token_ids: list[int] | None) -> ProcessedPrompt:
+        """Tokenize a text or token-id prompt; with images, each image marker (e.g. "<image>")
+        becomes the image's placeholder tokens. A token-id prompt marks images with the image
+        token id, unexpanded. A text holding the blend separator becomes segments."""
+        prompt, images = inputs.prompt, list(inputs.images or ())
+        assert prompt is not None
         if isinstance(prompt, str) and not images:
             pieces = self.blend_pieces(prompt)
             if pieces is not None:
-                return self.process_segments(pieces, kv_reuse, recompute_ratio)
+                return self.process_segments(pieces, inputs.kv_reuse, inputs.recompute_ratio)
         if token_ids is None or not isinstance(prompt, str):
-            token_ids = self.encode_prompt(prompt, add_special_tokens)
+            token_ids = self.encode_prompt(prompt, inputs.add_special_tokens)
         text = prompt if isinstance(prompt, str) else None
-        return self._expand_images(token_ids, list(images or ()), text)
+        return self._expand_images(token_ids, images, text)
 
     def blend_pieces(self, text: str) -> list[str] | None:
         """The segments a text prompt becomes (it holds the blend separator), or None: then it
@@ -126,36 +125,11 @@ class InputProcessor:
         return pieces if pieces is not None and len(pieces) >= 2 else None
 
     def process_any(self, prompt: Any) -> ProcessedPrompt:
-        """A prompt in any form the offline API takes: a string, token ids, a ProcessedPrompt,
-        (multimodal models) {"prompt": "USER: <image>\\nWhat is this?", "images": [...]}, or
-        {"segments": [context, chunk, ..., question], "kv_reuse": "blend",
-        "recompute_ratio": 0.15} (the last two optional; see segments.py)."""
+        """A prompt in any form the offline API takes (PromptInput.from_offline), or a
+        ProcessedPrompt as it is."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
-        if not isinstance(prompt, dict):
-            return self.process(prompt)
-        if "segments" in prompt:
-            unknown = sorted(set(prompt) - {"segments", "kv_reuse", "recompute_ratio"})
-            if unknown:
-                raise InputError(
-                    "prompt",
-                    "a segments prompt takes the keys 'segments' (required), 'kv_reuse' and "
-                    f"'recompute_ratio'; got {sorted(prompt)}",
-                )
-            return self.process_segments(
-                prompt["segments"], prompt.get("kv_reuse"), prompt.get("recompute_ratio")
-            )
-        unknown = sorted(set(prompt) - {"prompt", "images"})
-        if unknown or "prompt" not in prompt:
-            raise InputError(
-                "prompt",
-                "a dict prompt takes the keys 'prompt' (required) and 'images'; "
-                f"got {sorted(prompt)}",
-            )
-        images = prompt.get("images") or []
-        if not isinstance(images, (list, tuple)):
-            images = [images]
-        return self.process(prompt["prompt"], list(images))
+        return self.process(PromptInput.from_offline(prompt))
 
     def process_segments(
         self, segments: Any, kv_reuse: Any = None, recompute_ratio: Any = None

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmemo.errors import InputError
-from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.chat_options import ChatOptions
 from kvmemo.sampling import SamplingParams
 from kvmemo.tool_calls.render import ToolPrompt, tools_for_request
 

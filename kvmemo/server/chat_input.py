@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmemo.errors import InputError
-from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.chat_options import ChatOptions
 from kvmemo.intake.tools import ChatTools
 from kvmemo.server.protocol import ChatCompletionRequest, ChatMessage, ImagePart, TextPart
 

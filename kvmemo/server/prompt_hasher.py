@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmemo.intake.processor import InputProcessor
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.tools import render_tools
 from kvmemo.kv.hashing import BlockHash, RequestHasher
 from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
@@ -75,15 +76,18 @@ class PromptHasher:
                 options = chat_options(request)
                 rendering = render_tools(engine_messages(request), options, chat_tools(request),
                                          self.processor.template_for(options))
-                return self.processor.process_chat(
-                    rendering.messages, rendering.options, documents=request.documents
-                ).token_ids
-            if body.get("segments") is not None:
-                return self.processor.process_segments(body["segments"]).token_ids
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            return self.processor.encode_prompt(prompt)
+                inputs = PromptInput(messages=rendering.messages, chat_options=rendering.options,
+                                     documents=request.documents)
+            elif body.get("segments") is not None:
+                inputs = PromptInput(segments=body["segments"])
+            else:
+                prompt = body["prompt"]
+                if (isinstance(prompt, list) and len(prompt) == 1
+                        and isinstance(prompt[0], (str, list))):
+                    prompt = prompt[0]
+                inputs = PromptInput(prompt=prompt,
+                                     add_special_tokens=body.get("add_special_tokens", True))
+            return self.processor.process(inputs).token_ids  # the replica's front door
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 

@@ -14,12 +14,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvmemo.errors import InputError
-from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.chat_options import ChatOptions
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.tools import constrain_reply, render_tools
 from kvmemo.sampling import SamplingParams
 from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
+from kvmemo.server.job import Choice, Job, TokenLogprob
 from kvmemo.server.protocol import ChatCompletionRequest
-from kvmemo.server.serving_common import Choice, Job, OpenAIServing, TokenLogprob
+from kvmemo.server.serving_common import OpenAIServing
 from kvmemo.server.tool_replies import ToolReplies
 
 
@@ -48,20 +50,13 @@ class ServingChat(OpenAIServing):
         if not isinstance(echo_prefix, str):  # content parts with images: nothing to echo
             echo_prefix = ""
         try:
+            inputs = PromptInput(messages=messages, chat_options=options,
+                                 documents=body.documents, kv_reuse=body.kv_reuse,
+                                 recompute_ratio=body.recompute_ratio)
             return await self.generate(
-                body,
-                request,
-                params,
-                top_logprobs,
-                ignored_fields=ignored,
-                messages=messages,
-                fill_context=max_tokens is None,
-                chat_options=options,
-                echo_prefix=echo_prefix,
+                body, request, params, top_logprobs, inputs, ignored_fields=ignored,
+                fill_context=max_tokens is None, echo_prefix=echo_prefix,
                 tool_replies=tool_replies,
-                documents=body.documents,
-                kv_reuse=body.kv_reuse,
-                recompute_ratio=body.recompute_ratio,
             )
         except InputError as e:
             if tool_replies is not None and e.param == "structured_outputs":

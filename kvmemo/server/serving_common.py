@@ -1,6 +1,6 @@
-"""What the two generation routes share: the per-request Job (choices, usage, time to first
-token), the checks and SamplingParams both take, the JSON and server-sent-event response loops,
-disconnect handling, and the metrics and log line of each finished request.
+"""What the two generation routes share: the checks and SamplingParams both take, the JSON and
+server-sent-event response loops over a Job (job.py), disconnect handling, and the metrics and
+log line of each finished request.
 
 Invariant: every Job's engine stream is aborted on every way out (finished, client gone, error;
 a no-op once finished), so its KV blocks are freed, and it is recorded exactly once. What
@@ -11,21 +11,24 @@ left to the subclasses in serving_completion.py and serving_chat.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvmemo.engine import AsyncEngine, EngineDeadError, RequestStream, StreamItem
+from kvmemo.engine import AsyncEngine, EngineDeadError
 from kvmemo.errors import InputError
+from kvmemo.intake.prompt_input import PromptInput
+from kvmemo.outputs import RequestOutputKind
 from kvmemo.sampling import SamplingParams
 from kvmemo.server.errors import APIError, error_body
+from kvmemo.server.job import Choice, Job, TokenLogprob
 from kvmemo.server.metrics import ServerMetrics
 from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest, check_unsupported
 
@@ -33,138 +36,6 @@ logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; only ever seen in metrics
 _MIN_TEMPERATURE = 1e-5  # below this (and above 0) sampling is greedy
-
-
-@dataclass
-class Choice:
-    index: int  # which of the request's n samples
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    num_logprobs_sent: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    echo_sent: bool = False  # the echoed prompt went out (text and logprobs)
-
-
-class TokenLogprob(NamedTuple):
-    token_id: int
-    logprob: float | None  # None for a prompt's first token (nothing predicts it)
-    top: list[tuple[int, float]] | None  # (token id, logprob), best first
-
-
-@dataclass
-class Job:
-    """One HTTP generation request: its engine stream and what it produced so far."""
-
-    stream: RequestStream
-    n: int
-    top_logprobs: int | None  # None = no logprobs
-    echo: bool = False  # completions: the prompt comes before the output (and its logprobs)
-    echo_prefix: str = ""  # chat: the text the reply starts with (the echoed last message)
-    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>"
-    name: str | None = None  # the client's request_id: the response id ends with it
-    tool_replies: Any = None  # chat with tools: its ToolReplies (serving_chat's)
-    created: int = field(default_factory=lambda: int(time.time()))
-    choices: list[Choice] = field(default_factory=list)
-    token_texts: dict[int, str] = field(default_factory=dict)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_blended_tokens: int | None = None  # kv_reuse="blend" only
-    num_recomputed_tokens: int | None = None
-    ttft_s: float | None = None
-    start: float = field(default_factory=time.monotonic)
-    # Per prompt token {token_id: logprob} (None for the first), once the prompt is computed,
-    # for a request with prompt_logprobs (or echo with logprobs).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-    def __post_init__(self) -> None:
-        self.choices = [Choice(i) for i in range(self.n)]
-
-    def update(self, item: StreamItem) -> tuple[Choice, str]:
-        """Record one engine output; returns the choice and its new text."""
-        out = item.output
-        completion = out.outputs[0]
-        choice = self.choices[item.index]
-        delta = (
-            completion.text[len(choice.text) :] if completion.text.startswith(choice.text) else ""
-        )
-        if delta:
-            choice.text = completion.text
-        choice.num_tokens = len(completion.token_ids)
-        choice.token_ids = completion.token_ids
-        choice.finish_reason = completion.finish_reason
-        if completion.logprobs is not None:
-            choice.logprobs = completion.logprobs
-        self.token_texts.update(item.token_texts)
-        if item.index == 0:
-            if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-                self.prompt_logprobs = list(out.prompt_logprobs)
-            self.num_prompt_tokens = out.metrics.num_prompt_tokens
-            self.num_cached_tokens = out.metrics.num_cached_tokens
-            self.num_blended_tokens = out.metrics.num_blended_tokens
-            self.num_recomputed_tokens = out.metrics.num_recomputed_tokens
-        if self.ttft_s is None and out.metrics.first_token_time is not None:
-            self.ttft_s = time.monotonic() - self.start
-        return choice, delta
-
-    def usage(self) -> dict[str, Any]:
-        completion_tokens = sum(c.num_tokens for c in self.choices)
-        details: dict[str, Any] = {"cached_tokens": self.num_cached_tokens}
-        if self.num_blended_tokens is not None:
-            details["blended_tokens"] = self.num_blended_tokens
-            details["recomputed_tokens"] = self.num_recomputed_tokens
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.num_prompt_tokens + completion_tokens,
-            "prompt_tokens_details": details,
-        }
-
-    def token_text(self, token_id: int) -> str:
-        return self.token_texts.get(token_id, "")
-
-    def logprob_token(self, token_id: int) -> str:
-        """How logprobs name a token: its text, or "token_id:<id>" when asked."""
-        return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)
-
-    def take_logprobs(self, choice: Choice) -> tuple[int, list[TokenLogprob]]:
-        """The position of the first unsent logprob and the unsent ones (now marked sent)."""
-        start, choice.num_logprobs_sent = choice.num_logprobs_sent, len(choice.logprobs)
-        entries = []
-        for i in range(start, len(choice.logprobs)):
-            entry = choice.logprobs[i]
-            token_id = choice.token_ids[i]
-            entries.append(TokenLogprob(token_id, entry[token_id], self._top(entry)))
-        return start, entries
-
-    def prompt_entries(self) -> list[TokenLogprob]:
-        """The prompt's tokens with their logprobs and top alternatives (the first has none)."""
-        assert self.prompt_logprobs is not None
-        entries = []
-        for token_id, entry in zip(self.stream.prompt_token_ids, self.prompt_logprobs):
-            if entry is None:
-                entries.append(TokenLogprob(token_id, None, None))
-                continue
-            entries.append(TokenLogprob(token_id, entry[token_id], self._top(entry)))
-        return entries
-
-    def _top(self, entry: dict[int, float]) -> list[tuple[int, float]]:
-        """An entry's top_logprobs best alternatives, best first."""
-        return sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_logprobs or 0]
-
-    def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None] | None:
-        """vLLM's choice-level `prompt_logprobs`: per prompt token, {"token id": {"logprob",
-        "decoded_token"}} for the token and its top alternatives; null for the first."""
-        if self.prompt_logprobs is None:
-            return None
-        return [
-            None if entry is None else {
-                str(t): {"logprob": v, "decoded_token": self.token_text(t)}
-                for t, v in entry.items()
-            }
-            for entry in self.prompt_logprobs
-        ]
 
 
 class OpenAIServing:
@@ -258,6 +129,7 @@ class OpenAIServing:
             skip_special_tokens=body.skip_special_tokens,
             allowed_token_ids=body.allowed_token_ids,
             structured_outputs=body.structured_outputs_params(),
+            output_kind=RequestOutputKind.DELTA,  # Job.update gathers them
         )
 
     async def generate(
@@ -266,21 +138,25 @@ class OpenAIServing:
         request: Request,
         params: SamplingParams,
         top_logprobs: int | None,
+        inputs: PromptInput,
+        *,
         ignored_fields: list[str] | None = None,
         echo: bool = False,
         echo_prefix: str = "",
         tool_replies: Any = None,
-        **inputs: Any,
+        fill_context: bool = False,
     ) -> Response:
-        """Queue the request (`inputs`: prompt= or messages=, chat_options=, ...) and answer it.
+        """Queue the request (`inputs`: its prompt, chat or segments) and answer it.
         echo: completions' (the prompt leads the text); echo_prefix: chat's (the last
         assistant message's content leads the reply)."""
         headers = {"kvmemo-ignored-fields": ",".join(ignored_fields)} if ignored_fields else None
         truncate = body.truncate_prompt_tokens
+        inputs = dataclasses.replace(
+            inputs, truncate_prompt_tokens=self.engine.max_model_len if truncate == -1 else truncate
+        )
         stream = await self.engine.add_request(
-            params, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24], echo=echo,
-            truncate_prompt_tokens=self.engine.max_model_len if truncate == -1 else truncate,
-            **inputs,
+            params, inputs, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24],
+            echo=echo, fill_context=fill_context,
         )
         job = Job(stream, params.n, top_logprobs, echo=echo, echo_prefix=echo_prefix,
                   tokens_as_ids=body.return_tokens_as_token_ids, name=body.request_id,

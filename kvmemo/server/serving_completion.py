@@ -6,13 +6,15 @@ Invariant: one prompt per request; a batch of prompts is refused (400), never ha
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvmemo.intake.prompt_input import PromptInput
+from kvmemo.server.job import Choice, Job, TokenLogprob
 from kvmemo.server.protocol import CompletionRequest, UnsupportedFieldError
-from kvmemo.server.serving_common import Choice, Job, OpenAIServing, TokenLogprob
+from kvmemo.server.serving_common import OpenAIServing
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -38,13 +40,15 @@ class ServingCompletion(OpenAIServing):
         params = self.sampling_params(
             body, body.max_tokens or _DEFAULT_MAX_TOKENS, body.logprobs, prompt_logprobs
         )
-        inputs: dict[str, Any] = (
-            {"segments": body.segments} if body.segments is not None else {"prompt": prompt}
-        )
+        if body.segments is not None:
+            inputs = PromptInput(segments=body.segments, kv_reuse=body.kv_reuse,
+                                 recompute_ratio=body.recompute_ratio)
+        else:
+            inputs = PromptInput(prompt=cast("str | list[int]", prompt),  # one prompt, unwrapped
+                                 add_special_tokens=body.add_special_tokens,
+                                 kv_reuse=body.kv_reuse, recompute_ratio=body.recompute_ratio)
         return await self.generate(
-            body, request, params, body.logprobs, ignored_fields=ignored, echo=body.echo,
-            add_special_tokens=body.add_special_tokens, kv_reuse=body.kv_reuse,
-            recompute_ratio=body.recompute_ratio, **inputs,
+            body, request, params, body.logprobs, inputs, ignored_fields=ignored, echo=body.echo,
         )
 
     def choice_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
@@ -62,7 +66,9 @@ class ServingCompletion(OpenAIServing):
         prompt = job.prompt_entries() if job.prompt_logprobs is not None else []
         start, entries = job.take_logprobs(choice)
         assert start == 0
-        return self.logprobs_json(job, choice, 0, prompt + entries, prompt_offset=0)
+        logprobs = self.logprobs_json(job, choice, 0, prompt + entries, prompt_offset=0)
+        choice.logprob_chars = sum(len(job.token_text(e.token_id)) for e in entries)
+        return logprobs
 
     def logprobs_json(
         self,
@@ -76,13 +82,16 @@ class ServingCompletion(OpenAIServing):
         otherwise after the prompt (if echoed) and the choice's first `start` tokens."""
         text = job.token_text
         offset = prompt_offset
-        if offset is None:
-            offset = len(job.stream.prompt_text) if job.echo else 0
-            offset += sum(len(text(t)) for t in choice.token_ids[:start])
+        base = 0
+        if offset is None:  # after the prompt (if echoed) and the tokens already sent
+            base = len(job.stream.prompt_text) if job.echo else 0
+            offset = base + choice.logprob_chars
         offsets = []
         for e in entries:
             offsets.append(offset)
             offset += len(text(e.token_id))
+        if prompt_offset is None:
+            choice.logprob_chars = offset - base
         name = job.logprob_token
         return {
             "tokens": [name(e.token_id) for e in entries],

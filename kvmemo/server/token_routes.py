@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmemo.errors import InputError
-from kvmemo.intake.processor import ChatOptions
+from kvmemo.intake.chat_options import ChatOptions
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.tools import ChatTools, render_tools
 from kvmemo.server.chat_input import engine_message as _engine_message
 from kvmemo.server.protocol import ChatMessage
@@ -62,7 +63,8 @@ def add_token_routes(
         def run(e: Engine) -> list[int]:
             special = body.add_special_tokens
             if body.prompt is not None:
-                return e.processor.encode_prompt(body.prompt, special is not False)
+                inputs = PromptInput(prompt=body.prompt, add_special_tokens=special is not False)
+                return e.processor.process(inputs).token_ids
             options = ChatOptions(
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
@@ -74,7 +76,8 @@ def add_token_routes(
             tools = ChatTools(body.tools, body.tool_choice,
                               parallel_tool_calls=body.parallel_tool_calls is not False)
             rendering = render_tools(messages, options, tools, e.processor.template_for(options))
-            return e.processor.process_chat(rendering.messages, rendering.options).token_ids
+            inputs = PromptInput(messages=rendering.messages, chat_options=rendering.options)
+            return e.processor.process(inputs).token_ids
 
         tokens = await engine.call(run)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,

@@ -12,7 +12,9 @@ import torch
 CARRIED = Path(__file__).resolve().parents[2] / ".gpu" / "tiny_llama"
 
 
-def save_tiny_llama(directory: Path, seed: int = 0) -> None:
+def save_tiny_llama(directory: Path, seed: int = 0, **overrides: object) -> None:
+    """A random Llama (3 layers, hidden 96, GQA 3 by default; `overrides` replace LlamaConfig
+    fields, e.g. a vocab_size below the tokenizer's: the ids under it keep their texts)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvmemo.model.loading.loader import bundled_model_path, fingerprint_files
@@ -20,13 +22,14 @@ def save_tiny_llama(directory: Path, seed: int = 0) -> None:
 
     gguf = Path(bundled_model_path())
     tokenizer = load_gguf_tokenizer(gguf, fingerprint_files([gguf], gguf.parent))
-    config = LlamaConfig(
+    dims: dict = dict(
         vocab_size=len(tokenizer), hidden_size=96, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=6, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True, initializer_range=0.1,
     )
+    config = LlamaConfig(**{**dims, **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     model.save_pretrained(directory)

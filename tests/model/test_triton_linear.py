@@ -102,22 +102,11 @@ def test_the_plain_weight_stays_for_the_triton_gemm() -> None:
 def tiny_llama_512(tmp_path_factory) -> Path:
     """A random 2-layer Llama with 512 ids of the bundled tokenizer's vocabulary (the
     interpreter runs the head's GEMM in NumPy: a 49,152-row head would take minutes)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvmemo.model.loading.loader import bundled_model_path, fingerprint_files
-    from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
+    from tests.gpu.tiny_llama import save_tiny_llama
 
     directory = tmp_path_factory.mktemp("tiny_llama_512")
-    gguf = Path(bundled_model_path())
-    tokenizer = load_gguf_tokenizer(gguf, fingerprint_files([gguf], gguf.parent))
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=1024, initializer_range=0.1,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).float().eval().save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_tiny_llama(directory, vocab_size=512, hidden_size=64, intermediate_size=96,
+                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=1024)
     return directory
 
 

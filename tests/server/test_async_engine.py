@@ -14,6 +14,7 @@ import pytest
 from kvmemo.engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvmemo.engine.stats import EngineStats, KVInfo
 from kvmemo.intake.processor import ProcessedPrompt
+from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvmemo.sampling import SamplingParams
 
@@ -25,9 +26,11 @@ class _Processor:
         self.batches: list[list[str]] = []  # encode_texts calls
         self.batch_error: Exception | None = None  # what encode_texts raises, if set
 
-    # InputProcessor's signatures; segments and documents (chunk KV reuse) are not exercised here.
-    def process(self, prompt, add_special_tokens=True, kv_reuse=None, recompute_ratio=None,
-                token_ids=None):
+    # InputProcessor's front door; segments and documents (chunk KV reuse) are not exercised.
+    def process(self, inputs, cache_salt=None, *, token_ids=None):
+        if inputs.messages is not None:
+            return self.process_chat(inputs.messages, inputs.chat_options, cache_salt=cache_salt)
+        prompt = inputs.prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string")
@@ -45,7 +48,7 @@ class _Processor:
 
     def process_chat(self, messages, options=None, cache_salt=None, documents=None,
                      kv_reuse=None, recompute_ratio=None):
-        return self.process("".join(m["content"] for m in messages))
+        return self.process(PromptInput(prompt="".join(m["content"] for m in messages)))
 
 
 @dataclass
@@ -140,9 +143,10 @@ def test_concurrent_requests_and_n_samples():
     engine = AsyncEngine(FakeEngine(), max_waiting=16)
 
     async def main():
-        a = await engine.add_request(SamplingParams(max_tokens=3), prompt="abc")
+        a = await engine.add_request(SamplingParams(max_tokens=3), PromptInput(prompt="abc"))
         b = await engine.add_request(
-            SamplingParams(max_tokens=2, n=3), messages=[{"role": "user", "content": "hi"}]
+            SamplingParams(max_tokens=2, n=3),
+            PromptInput(messages=[{"role": "user", "content": "hi"}]),
         )
         return await asyncio.gather(_collect(a), _collect(b))
 
@@ -162,15 +166,15 @@ def test_a_burst_of_text_prompts_is_tokenized_in_one_call():
     texts = ["ab", "cde", "f"]
 
     async def main():
-        adds = [asyncio.create_task(engine.add_request(SamplingParams(max_tokens=1), prompt=t))
+        adds = [asyncio.create_task(engine.add_request(SamplingParams(max_tokens=1), PromptInput(prompt=t)))
                 for t in texts]
         chat = asyncio.create_task(engine.add_request(
-            SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "hi"}]))
+            SamplingParams(max_tokens=1), PromptInput(messages=[{"role": "user", "content": "hi"}])))
         await asyncio.sleep(0.05)  # every add is queued before the engine thread starts
         threading.Thread(target=engine.run, daemon=True).start()
         streams = await asyncio.gather(*adds, chat)
         await asyncio.gather(*(_collect(s) for s in streams))
-        lone = await engine.add_request(SamplingParams(max_tokens=1), prompt="zz")
+        lone = await engine.add_request(SamplingParams(max_tokens=1), PromptInput(prompt="zz"))
         await _collect(lone)
         return streams, lone
 
@@ -188,7 +192,7 @@ def _burst(engine: AsyncEngine, texts: list[str]) -> list:
     """Adds queued before the engine thread starts (one burst); each result or its error."""
 
     async def main():
-        adds = [asyncio.create_task(engine.add_request(SamplingParams(max_tokens=1), prompt=t))
+        adds = [asyncio.create_task(engine.add_request(SamplingParams(max_tokens=1), PromptInput(prompt=t)))
                 for t in texts]
         await asyncio.sleep(0.05)
         threading.Thread(target=engine.run, daemon=True).start()
@@ -222,7 +226,7 @@ def test_chat_without_max_tokens_fills_the_context():
 
     async def main():
         stream = await engine.add_request(
-            SamplingParams(max_tokens=1), prompt="abcd", fill_context=True
+            SamplingParams(max_tokens=1), PromptInput(prompt="abcd"), fill_context=True
         )
         seen = fake.added[stream.sequence_ids[0]].max_tokens
         stream.abort()
@@ -240,11 +244,11 @@ def test_bad_input_raises_value_error_and_queue_full_raises():
 
     async def main():
         with pytest.raises(ValueError, match="too long"):
-            await engine.add_request(SamplingParams(), prompt=[1] * 100)
+            await engine.add_request(SamplingParams(), PromptInput(prompt=[1] * 100))
         with pytest.raises(ValueError, match="non-empty"):
-            await engine.add_request(SamplingParams(), prompt="")
+            await engine.add_request(SamplingParams(), PromptInput(prompt=""))
         with pytest.raises(QueueFullError):
-            await engine.add_request(SamplingParams(n=3), prompt="abc")
+            await engine.add_request(SamplingParams(n=3), PromptInput(prompt="abc"))
 
     try:
         _run(main())
@@ -258,7 +262,7 @@ def test_abort_removes_every_sequence():
     engine = AsyncEngine(fake)
 
     async def main():
-        stream = await engine.add_request(SamplingParams(max_tokens=10_000, n=2), prompt="abc")
+        stream = await engine.add_request(SamplingParams(max_tokens=10_000, n=2), PromptInput(prompt="abc"))
         async for _ in stream:
             break  # one token, then the client leaves
         stream.abort()
@@ -277,10 +281,44 @@ def test_failing_step_fails_requests_and_the_engine_keeps_serving():
     engine = AsyncEngine(FakeEngine(fail_on_step=1))
 
     async def main():
-        stream = await engine.add_request(SamplingParams(max_tokens=3), prompt="abc")
+        stream = await engine.add_request(SamplingParams(max_tokens=3), PromptInput(prompt="abc"))
         with pytest.raises(EngineDeadError, match="boom"):
             await _collect(stream)
-        again = await engine.add_request(SamplingParams(max_tokens=2), prompt="abc")
+        again = await engine.add_request(SamplingParams(max_tokens=2), PromptInput(prompt="abc"))
+        return await _collect(again)
+
+    try:
+        assert _run(main()) == {0: "xx"}
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_added_while_a_failed_step_is_cleaned_up_is_served():
+    """The race behind a flaky run of the test above: a client that saw the failure and added
+    again at once, while the engine thread was still failing the old batch, got the old
+    batch's error. Here the add lands deterministically inside that window."""
+    fake = FakeEngine(fail_on_step=1)
+    engine = AsyncEngine(fake)
+    added: list[asyncio.Future] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real_abort = fake.abort_request
+
+        def abort_and_add_meanwhile(request_id):  # runs on the engine thread, in _fail_all
+            added.append(asyncio.run_coroutine_threadsafe(engine.add_request(
+                SamplingParams(max_tokens=2), PromptInput(prompt="abc")), loop))
+            deadline = time.monotonic() + 5
+            while not engine._commands and time.monotonic() < deadline:
+                time.sleep(0.001)  # until the add is queued
+            real_abort(request_id)
+
+        fake.abort_request = abort_and_add_meanwhile
+        stream = await engine.add_request(SamplingParams(max_tokens=3), PromptInput(prompt="abc"))
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _collect(stream)
+        fake.abort_request = real_abort
+        again = await asyncio.wrap_future(added[0])
         return await _collect(again)
 
     try:
@@ -295,6 +333,6 @@ def test_shutdown_refuses_new_requests():
 
     async def main():
         with pytest.raises(EngineDeadError):
-            await engine.add_request(SamplingParams(), prompt="abc")
+            await engine.add_request(SamplingParams(), PromptInput(prompt="abc"))
 
     _run(main())

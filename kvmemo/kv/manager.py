@@ -6,36 +6,30 @@ every block's ref_count equals the number of block tables holding it.
 
 One manager serves one layer group of the layout (group 0 by default: every layer of a plain
 model). In a sliding-window group a block table holds None where blocks slid out of the window
-were released; hybrid.py composes one manager per group over a shared pool.
+were released; hybrid.py composes one manager per group over a shared pool. Its read-only
+matching is in matcher.py (PrefixMatcher), its tables' views and checks in tables.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash, extra_keys_for_range
-from kvmemo.kv.layout import KVLayout, first_window_block
-from kvmemo.kv.match import NO_MATCH, BlockCopy, PartialMatch, PrefixCacheStats, PrefixMatch
-from kvmemo.kv.partial_index import PartialEntry, PartialIndex, common_prefix_len
+from kvmemo.kv.layout import KVLayout
+from kvmemo.kv.match import BlockCopy, PrefixCacheStats, PrefixMatch
+from kvmemo.kv.matcher import PrefixMatcher, RequestBlocks
+from kvmemo.kv.partial_index import PartialEntry, PartialIndex
+from kvmemo.kv.tables import BlockTables
 
 if TYPE_CHECKING:
     from kvmemo.request import Request
 
 
-@dataclass(slots=True, eq=False)
-class _RequestBlocks:
-    request: Request
-    # The block_table, append-only while the request runs; None where a sliding-window group
-    # released a block its window no longer sees.
-    blocks: list[Block | None]
-    num_committed_blocks: int  # leading blocks committed (or hit, or stored-once duplicates)
-
-
-class KVCacheManager:
+class KVCacheManager(PrefixMatcher, BlockTables):
     """Owns the block pool, every running request's block_table, the partial index and copies.
 
     Promises: hits are verified against stored tokens, parent hash and extra keys (a hash
@@ -66,7 +60,7 @@ class KVCacheManager:
         self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, enable_events)
         # Parent hashes and extra keys of blocks; requests extend their own block hashes.
         self._hasher = layout.new_hasher()
-        self._requests: dict[str, _RequestBlocks] = {}
+        self._requests: dict[str, RequestBlocks] = {}
         self._partial = PartialIndex()
         # Every partial index over this pool (the hybrid manager lists all groups'): a block
         # taken anew by one group must leave the others' indexes too, as its slots are rewritten.
@@ -105,10 +99,6 @@ class KVCacheManager:
             self.block_size, num_tokens, max_chunk_tokens
         )
 
-    def get_group_block_tables(self, request_id: str) -> list[list[int | None]]:
-        """[the block table]: the single-group form of HybridKVCacheManager's."""
-        return [self.get_block_table(request_id)]
-
     def drop_partial(self, request: Request, prefix: PrefixMatch) -> PrefixMatch | None:
         """`prefix` without its partial block (the store holds that whole block)."""
         return replace(prefix, partial=None, num_tokens=len(prefix.blocks) * self.block_size)
@@ -118,178 +108,8 @@ class KVCacheManager:
         block = self.block_pool.get_cached_block(block_hash, self.group)
         return block.block_id if block is not None else None
 
-    def load_targets(self, request: Request, first: int, count: int) -> list[int]:
-        """The ids of the request's blocks first..first+count-1 (where store loads go)."""
-        table = self.get_block_table(request.request_id)[first : first + count]
-        assert len(table) == count and all(b is not None for b in table), "load into no block"
-        return [b for b in table if b is not None]
-
     def clear_partial_index(self) -> None:
         self._partial.clear()
-
-    # ---- prefix match ----------------------------------------------------------------------
-
-    def get_computed_blocks(self, request: Request) -> PrefixMatch:
-        """Longest verified cached prefix of `request`: full blocks, then one partial match.
-
-        The partial match serves the first k tokens of the next block from a partially filled
-        block or from a committed full block with the same parent (the request diverges from it,
-        or stops hitting it because of the last-token rule, mid-block); see _find_partial.
-
-        Does not modify the pool (safe to call repeatedly, e.g. to order the waiting queue).
-        At least one token is always left to compute. Reads request.block_hashes, which the
-        request extends itself.
-
-        Raises:
-            ValueError: if request.num_computed_tokens != 0 (only for a first schedule or after
-                preemption).
-        """
-        if request.num_computed_tokens != 0:
-            raise ValueError(
-                "get_computed_blocks needs request.num_computed_tokens == 0, "
-                f"got {request.num_computed_tokens}"
-            )
-        if not self.enable_caching or request.skips_prefix_cache:
-            return NO_MATCH
-        size = self.block_size
-        tokens = request.all_token_ids
-        max_hit_tokens = len(tokens) - 1  # the step needs logits at the last position
-        hits: list[Block] = []
-        parent = self._hasher.root
-        for index in range(min(len(request.block_hashes), max_hit_tokens // size)):
-            block_hash = request.block_hashes[index]
-            block = self.block_pool.get_cached_block(block_hash, self.group)
-            if block is None or not self._holds(block, parent, request, index):
-                break
-            hits.append(block)
-            parent = block_hash
-
-        start = len(hits) * size
-        partial = None
-        num_partial_max = min(size - 1, max_hit_tokens - start)
-        if self.enable_partial_reuse and num_partial_max > 0:
-            partial = self._find_partial(request, parent, len(hits), num_partial_max)
-        if not hits and partial is None:
-            return NO_MATCH
-        num_tokens = start + (partial.num_tokens if partial is not None else 0)
-        return PrefixMatch(blocks=tuple(hits), num_tokens=num_tokens, partial=partial)
-
-    def _find_partial(
-        self, request: Request, parent: BlockHash, index: int, num_tokens_max: int
-    ) -> PartialMatch | None:
-        """Best copy source for the first tokens (at most num_tokens_max) of block `index`.
-
-        Candidates chain from `parent`: partially filled blocks (partial index; their extra keys
-        over their own token range must equal the request's) and committed full blocks (pool's
-        parent index; their extra keys over the whole block must equal the request's over the
-        same range). The longest common prefix k > 0 wins; on a tie a referenced block (copying
-        from it leaves the free queue alone), then a partially filled one, then the oldest commit.
-        Costs O(candidates chained from `parent`).
-        """
-        start = index * self.block_size
-        window = request.all_token_ids[start : start + num_tokens_max]
-        best: PartialMatch | None = None
-        found = self._partial.find(
-            parent, window, lambda num: extra_keys_for_range(request, start, start + num)
-        )
-        if found is not None:
-            best = PartialMatch(block=found[0], num_tokens=found[1])
-        full_block_keys = None  # computed once, for the first candidate that needs them
-        for block in self.block_pool.get_cached_children(parent, self.group):
-            assert block.token_ids is not None and block.parent_hash == parent
-            k = common_prefix_len(block.token_ids, window)
-            if k == 0 or (
-                best is not None
-                and (k, block.ref_count > 0) <= (best.num_tokens, best.block.ref_count > 0)
-            ):
-                continue
-            if full_block_keys is None:
-                full_block_keys = self._hasher.extra_keys(request, index)
-            if block.extra_keys == full_block_keys:
-                best = PartialMatch(block=block, num_tokens=k, source_hash=block.block_hash)
-        return best
-
-    def extend_in_flight(
-        self, request: Request, prefix: PrefixMatch, computing: Mapping[BlockHash, Request]
-    ) -> PrefixMatch:
-        """`prefix` extended by the full blocks other requests compute in the step being
-        scheduled, or `prefix` itself when its next block is not among them.
-
-        `computing` maps the hash of each full block the step completes to the request holding
-        it (Scheduler._track_computing). Sharing such a block instead of computing it again is
-        safe because the step writes every new token's KV before any layer's attention reads it,
-        so a request whose cached prefix ends in blocks written by the same forward sees them
-        complete; the owner commits them after the step, as usual. A partial match is dropped
-        (its tokens lie in the first shared block). The shared run is verified against the
-        owner's tokens and extra keys, like any hit, and keeps the last-token rule.
-        """
-        if not self.enable_caching or request.skips_prefix_cache:
-            return prefix
-        size = self.block_size
-        first = len(prefix.blocks)
-        end = min(len(request.block_hashes), (request.num_tokens - 1) // size)
-        owner = computing.get(request.block_hashes[first]) if first < end else None
-        owner_state = self._requests.get(owner.request_id) if owner is not None else None
-        if owner is None or owner_state is None:
-            return prefix
-        shared: list[Block] = []
-        for index in range(first, min(end, len(owner_state.blocks))):
-            block = owner_state.blocks[index]
-            if (
-                computing.get(request.block_hashes[index]) is not owner
-                or block is None
-                or block.block_hash is not None
-                or self._hasher.extra_keys(owner, index) != self._hasher.extra_keys(request, index)
-            ):
-                break
-            shared.append(block)
-        num_tokens = (first + len(shared)) * size
-        # Hashes chain over every earlier token, but equal hashes are not proof: compare them all.
-        if not shared or owner.all_token_ids[:num_tokens] != request.all_token_ids[:num_tokens]:
-            return prefix
-        return PrefixMatch(
-            blocks=(*prefix.blocks, *shared), num_tokens=num_tokens, num_in_flight=len(shared)
-        )
-
-    def match_exactly(self, request: Request, num_tokens: int) -> PrefixMatch | None:
-        """The match serving exactly the first `num_tokens` tokens in this group, or None.
-
-        A full-attention group needs every block below num_tokens; a sliding-window group only
-        those its window sees from the first new token on (earlier entries are None). A partial
-        last block needs a partial source with at least that many tokens. Does not modify the
-        pool. Used by the hybrid manager to agree on one hit length across groups.
-        """
-        size = self.block_size
-        num_full, num_partial = divmod(num_tokens, size)
-        if num_tokens == 0:
-            return NO_MATCH
-        if not self.enable_caching or len(request.block_hashes) < num_full:
-            return None
-        first = self.first_needed_block(num_tokens)
-        blocks: list[Block | None] = [None] * first
-        for index in range(first, num_full):
-            block = self.block_pool.get_cached_block(request.block_hashes[index], self.group)
-            parent = self._hasher.parent_hash(request, index)
-            if block is None or not self._holds(block, parent, request, index):
-                return None
-            blocks.append(block)
-        partial = None
-        if num_partial:
-            if not self.enable_partial_reuse:
-                return None
-            parent = self._hasher.parent_hash(request, num_full)
-            found = self._find_partial(request, parent, num_full, num_partial)
-            if found is None or found.num_tokens < num_partial:
-                return None
-            partial = replace(found, num_tokens=num_partial)
-        return PrefixMatch(blocks=tuple(blocks), num_tokens=num_tokens, partial=partial)
-
-    def first_needed_block(self, num_computed: int) -> int:
-        """Index of the first block a query at position >= num_computed still sees (0 for a
-        full-attention group): blocks before it can be released."""
-        if self.window is None:
-            return 0
-        return first_window_block(num_computed, self.block_size, self.window)
 
     def release_outside_window(self, request: Request, num_computed: int | None = None) -> None:
         """Frees this request's blocks that no future query of it can see (sliding-window group
@@ -307,15 +127,6 @@ class KVCacheManager:
         if released:
             state.blocks[:first] = [None] * first
             self.block_pool.free_blocks(reversed(released))
-
-    def _holds(self, block: Block, parent: BlockHash, request: Request, index: int) -> bool:
-        """True if `block` stores exactly full block `index` of `request` (not a hash collision)."""
-        start = index * self.block_size
-        return (
-            block.parent_hash == parent
-            and block.token_ids == tuple(request.all_token_ids[start : start + self.block_size])
-            and block.extra_keys == self._hasher.extra_keys(request, index)
-        )
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -406,11 +217,11 @@ class KVCacheManager:
             self._copies.append(copy)
 
         if state is None:
-            state = _RequestBlocks(request, list(hit_entries), len(hit_entries))
+            state = RequestBlocks(request, list(hit_entries), len(hit_entries))
             self._requests[request.request_id] = state
             self._record_query(request, prefix)
         state.blocks.extend(new_blocks)
-        return block_ids(new_blocks)
+        return [block.block_id for block in new_blocks]
 
     def num_new_blocks(
         self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
@@ -433,7 +244,7 @@ class KVCacheManager:
         shared_tail = self._shared_tail(state, num_computed) if num_new_tokens > 0 else None
         return max(0, num_required - num_held), shared_tail
 
-    def _shared_tail(self, state: _RequestBlocks | None, num_computed: int) -> int | None:
+    def _shared_tail(self, state: RequestBlocks | None, num_computed: int) -> int | None:
         """Index of the partially filled block the next token writes into, if a fork shares it."""
         offset = num_computed % self.block_size
         if state is None or offset == 0:
@@ -442,7 +253,7 @@ class KVCacheManager:
         block = state.blocks[index]
         return index if block is not None and block.ref_count > 1 else None
 
-    def _copy_on_write(self, state: _RequestBlocks, index: int, num_tokens: int) -> None:
+    def _copy_on_write(self, state: RequestBlocks, index: int, num_tokens: int) -> None:
         """Replaces the shared partial block `index` by a fresh private copy of its first slots.
 
         The other holders keep the source (its ref_count drops by one); the copy runs before the
@@ -584,7 +395,7 @@ class KVCacheManager:
             assert tail is not None  # the block being written into is inside any window
             self._partial.discard(tail)
         num_committed = min(state.num_committed_blocks, num_tokens // self.block_size)
-        self._requests[child.request_id] = _RequestBlocks(child, list(blocks), num_committed)
+        self._requests[child.request_id] = RequestBlocks(child, list(blocks), num_committed)
 
     def finish_beams(self, final: Sequence[Request], pruned: Sequence[Request]) -> None:
         """Ends a beam search: publishes the final beams' full blocks, then frees every beam.
@@ -601,14 +412,6 @@ class KVCacheManager:
                 self.commit(request, num_full_tokens)
         for request in [*pruned, *reversed(final)]:
             self.free(request)
-
-    def get_block_table(self, request_id: str) -> list[int | None]:
-        """The request's block ids in order ([] for a request that holds no blocks); None where
-        a sliding-window group released a block."""
-        state = self._requests.get(request_id)
-        if state is None:
-            return []
-        return [b.block_id if b is not None else None for b in state.blocks]
 
     def take_copies(self) -> list[BlockCopy]:
         """Drains the block copies recorded since the last call; run them in order before the
@@ -630,57 +433,3 @@ class KVCacheManager:
         if ok:
             self._partial.clear()
         return ok, reason
-
-    def check_invariants(self) -> None:
-        """Asserts pool invariants, ref_count == holders, and the partial index contents."""
-        self.block_pool.check_invariants()
-        self.check_tables(self.holder_counts())
-
-    def holder_counts(self) -> dict[int, int]:
-        """block_id -> block tables of this manager holding it."""
-        holders: dict[int, int] = {}
-        for state in self._requests.values():
-            for block in state.blocks:
-                if block is not None:
-                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        return holders
-
-    def check_tables(self, holders: dict[int, int]) -> None:
-        """Asserts this group's tables and partial index, and ref_count == `holders` (the counts
-        over every manager sharing the pool)."""
-        size = self.block_size
-        position: dict[int, tuple[_RequestBlocks, int]] = {}
-        for state in self._requests.values():
-            request = state.request
-            assert state.num_committed_blocks <= len(state.blocks)
-            first = self.first_needed_block(request.num_computed_tokens)
-            for index, block in enumerate(state.blocks):
-                if block is None:
-                    assert index < first, f"block {index} of {request.request_id!r} released early"
-                    continue
-                position[block.block_id] = (state, index)
-                if block.block_hash is not None:
-                    assert index < state.num_committed_blocks, "uncommitted block carries a hash"
-                    assert block.block_hash == request.block_hashes[index], "foreign block hash"
-                    assert block.group == self.group, f"block {block.block_id} of another group"
-        for block in self.block_pool.blocks:
-            assert block.ref_count == holders.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_count {block.ref_count}, "
-                f"held by {holders.get(block.block_id, 0)} requests"
-            )
-        for entry in self._partial.entries():
-            block = entry.block
-            assert block.block_hash is None, f"partial entry on hashed block {block.block_id}"
-            assert 0 < len(entry.token_ids) < size
-            assert block.ref_count <= 1, f"partial block {block.block_id} is shared"
-            if block.block_id in position:
-                state, index = position[block.block_id]
-                start = index * size
-                stored = tuple(state.request.all_token_ids[start : start + len(entry.token_ids)])
-                assert stored == entry.token_ids, f"stale partial entry, block {block.block_id}"
-                assert entry.parent_hash == self._hasher.parent_hash(state.request, index)
-
-
-def block_ids(blocks: Sequence[Block]) -> list[int]:
-    """The ids of `blocks`, in order."""
-    return [block.block_id for block in blocks]

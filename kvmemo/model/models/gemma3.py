@@ -14,7 +14,8 @@ from torch import nn
 
 from kvmemo.model.config import SLIDING_ATTENTION, ModelArchConfig
 from kvmemo.model.layers.basic import AttentionFn, GemmaRMSNorm, RotaryEmbedding
-from kvmemo.model.models.llama import DecoderLayer, LlamaForCausalLM
+from kvmemo.model.models.llama import LlamaForCausalLM
+from kvmemo.model.models.llama_layer import DecoderLayer
 
 
 class Gemma3DecoderLayer(DecoderLayer):

@@ -39,7 +39,8 @@ from kvmemo.model.kernels.quant_int8 import Fused, Int8Weights, mlp_block
 from kvmemo.model.layers.basic import AttentionFn, RMSNorm
 from kvmemo.model.layers.linear import KernelChoice
 from kvmemo.model.layers.native_linear import NativeLinear
-from kvmemo.model.models.llama import DecoderLayer, LlamaForCausalLM
+from kvmemo.model.models.llama import LlamaForCausalLM
+from kvmemo.model.models.llama_layer import DecoderLayer
 from kvmemo.model.models.llava import LlavaForConditionalGeneration
 
 

@@ -14,8 +14,8 @@ import pytest
 from kvmemo.config import EngineConfig
 from kvmemo.engine import AsyncEngine, Engine
 from kvmemo.engine.detokenizer import IncrementalDetokenizer
-from kvmemo.server.job import Job
 from kvmemo.server.app import create_app
+from kvmemo.server.job import Job
 from tests.gpu.tiny_llama import save_tiny_llama
 
 NUM_TOKENS = 4000

@@ -14,9 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvmemo.engine.blend_chunks import blend_step, hold_chunks, release_chunks
 from kvmemo.engine.scheduler_output import (
     BlendStep,
-    ChunkSource,
     ScheduledSequence,
     SchedulerOutput,
 )
@@ -188,15 +188,15 @@ class Scheduler:
                     # token); its chunks' blocks are held first, so its own allocation cannot
                     # evict them.
                     num_new = request.num_tokens - num_cached
-                    held = self._hold_chunks(request)
+                    held = hold_chunks(self.kv, request)
                 new_block_ids = self.kv.allocate_slots(request, num_external + num_new, prefix)
                 if new_block_ids is None:
-                    self._release_chunks(held)
+                    release_chunks(self.kv, held)
                     self.waiting.appendleft(request)
                     break
                 if request.blend is not None:
                     self._held_chunks.extend(held)
-                    blends[request.request_id] = self._blend_step(request, num_cached)
+                    blends[request.request_id] = blend_step(self.kv, request, num_cached)
                 if self.connector is not None:
                     # The first num_external // block_size new blocks receive the store's KV
                     # (in every layer group of a hybrid layout).
@@ -261,48 +261,6 @@ class Scheduler:
             preempted_request_ids=preempted,
             kv_connector_metadata=connector_metadata,
         )
-
-    def _hold_chunks(self, request: Request) -> list[Request]:
-        """Takes a reference on each chunk sequence's cached blocks (a partial tail block is
-        copied, as for any partial hit); returns the chunk sequences now holding blocks."""
-        assert request.blend is not None
-        held: list[Request] = []
-        for chunk in dict.fromkeys(request.blend.chunk_requests):  # a chunk used twice: once
-            chunk.num_computed_tokens = 0
-            prefix = self.kv.get_computed_blocks(chunk)
-            if prefix.num_tokens <= request.blend.context_len:
-                continue  # evicted since it was computed: its tokens are recomputed instead
-            if self.kv.allocate_slots(chunk, 0, prefix) is None:
-                continue
-            chunk.num_computed_tokens = prefix.num_tokens
-            held.append(chunk)
-        return held
-
-    def _release_chunks(self, chunks: list[Request]) -> None:
-        for chunk in chunks:
-            self.kv.free(chunk)
-            chunk.num_computed_tokens = 0
-
-    def _blend_step(self, request: Request, num_cached: int) -> BlendStep:
-        """Where each chunk's held KV goes in `request`, past its own cached prefix."""
-        spec = request.blend
-        assert spec is not None
-        sources: list[ChunkSource] = []
-        context_len = spec.context_len
-        for (start, end), chunk in zip(spec.chunk_ranges, spec.chunk_requests):
-            # Held tokens past the context are the chunk's own (0 if it holds nothing).
-            available = min(max(chunk.num_computed_tokens - context_len, 0), end - start)
-            skip = max(0, num_cached - start)  # already in the prompt's own cached blocks
-            if available > skip:
-                sources.append(
-                    ChunkSource(
-                        dst_start=start + skip,
-                        src_start=context_len + skip,
-                        num_tokens=available - skip,
-                        src_block_table=self.kv.get_block_table(chunk.request_id),
-                    )
-                )
-        return BlendStep(tuple(sources), spec.recompute_ratio, spec.check_layer)
 
     def _uncomputed_block_hashes(self, request: Request) -> list[BlockHash]:
         return request.block_hashes[request.num_computed_tokens // self.kv.block_size :]
@@ -410,7 +368,7 @@ class Scheduler:
         only advanced: its driver appends its tokens and decides what it publishes. Returns the
         requests that got a new token or finished.
         """
-        self._release_chunks(self._held_chunks)
+        release_chunks(self.kv, self._held_chunks)
         self._held_chunks = []
         touched: list[Request] = []
         for seq in output.sequences:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvmemo.attention.cache import PagedKVCache
-from kvmemo.attention.cascade import (
+from kvmemo.attention.lse_attention import (
     attention_with_lse_upto,
     fold_query_groups,
     unfold_query_groups,

@@ -22,12 +22,14 @@ from kvmemo.attention.cascade import (
     cascade_attention,
     cascade_prefix_blocks,
     contiguous_run_start,
+)
+from kvmemo.attention.kernels.flash_attention import flash_attention
+from kvmemo.attention.kernels.paged_decode import load_decode_kernel
+from kvmemo.attention.lse_attention import (
     fold_query_groups,
     merge_attention_states,
     unfold_query_groups,
 )
-from kvmemo.attention.kernels.flash_attention import flash_attention
-from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.workspace import Workspace
 

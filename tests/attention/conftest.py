@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmemo.attention import cascade, fused_decode, paged
+from kvmemo.attention import cascade, fused_decode, lse_attention, paged
 from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 
 
@@ -18,6 +18,7 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     else:
         for module in (paged, cascade):  # torch's kernels only: the compiled ones step aside
             monkeypatch.setattr(module, "load_decode_kernel", lambda: None)
+        for module in (paged, lse_attention):
             monkeypatch.setattr(module, "flash_attention", lambda *args, **kwargs: None)
         monkeypatch.setattr(fused_decode, "load_decode_kernel", lambda: None)  # the fused KV write
     return request.param

@@ -10,12 +10,11 @@ import torch
 from kvmemo.attention import cascade
 from kvmemo.attention.cache import PagedKVCache, write_kv
 from kvmemo.attention.cascade import (
-    attention_with_lse,
-    attention_with_lse_math,
     cascade_attention,
     cascade_prefix_blocks,
     common_prefix_blocks,
 )
+from kvmemo.attention.lse_attention import attention_with_lse, attention_with_lse_math
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.paged import paged_attention
 from kvmemo.attention.torch_ref import paged_attention_ref

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmemo.attention.cascade import attention_with_lse_math, attention_with_lse_upto
 from kvmemo.attention.kernels.flash_attention import flash_attention
+from kvmemo.attention.lse_attention import attention_with_lse_math, attention_with_lse_upto
 
 SHAPES = [  # B, H, M rows, L keys, D
     (1, 3, 96, 1024, 64),  # a decode batch against a shared 1,024-token prefix

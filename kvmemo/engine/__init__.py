@@ -4,15 +4,10 @@ async wrapper. The names below are its API; nothing outside this package imports
 
 from __future__ import annotations
 
-from kvmemo.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestStream,
-    StreamItem,
-)
+from kvmemo.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from kvmemo.engine.beam_search import BeamSearchParams
 from kvmemo.engine.engine import Engine
+from kvmemo.engine.request_stream import RequestStream, StreamItem
 from kvmemo.engine.stats import EngineStats, KVInfo, MemoryStats, StoreTierStats
 
 __all__ = [

@@ -14,11 +14,11 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from kvmemo.engine.engine import Engine
+from kvmemo.engine.request_stream import RequestStream, StreamItem
 from kvmemo.engine.stats import EngineStats, KVInfo
 from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.kv.hashing import BlockHash
@@ -36,16 +36,6 @@ class QueueFullError(Exception):
 
 class EngineDeadError(Exception):
     """The engine thread stopped or a step failed; the request cannot complete."""
-
-
-@dataclass(frozen=True)
-class StreamItem:
-    """One update of one sequence: its output (cumulative or a delta, as its SamplingParams'
-    output_kind asks), and text for new logprob token ids."""
-
-    index: int  # which of the request's n samples
-    output: RequestOutput
-    token_texts: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,48 +72,6 @@ class _Sequence:
     delta: bool = False  # its outputs are deltas (RequestOutputKind.DELTA)
     num_logprob_entries: int = 0
     prompt_texts_sent: bool = False  # the prompt logprobs' token texts went out
-
-
-class RequestStream:
-    """The caller's end of one request (n sequences): iterate it for StreamItems."""
-
-    def __init__(
-        self, engine: AsyncEngine, request_id: str, n: int, loop: asyncio.AbstractEventLoop
-    ):
-        self._engine = engine
-        self.request_id = request_id
-        self.sequence_ids = [f"{request_id}-{j}" for j in range(n)]
-        self._loop = loop
-        self._queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
-        self._num_open = n
-        self.prompt_token_ids: list[int] = []
-        self.prompt_text = ""  # set for a request added with echo=True
-
-    def _put(self, item: StreamItem | BaseException) -> None:  # engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed; nobody is listening
-            pass
-
-    @property
-    def finished(self) -> bool:
-        return self._num_open == 0
-
-    async def __aiter__(self) -> AsyncIterator[StreamItem]:
-        while self._num_open > 0:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self._num_open = 0
-                raise item
-            if item.output.finished:
-                self._num_open -= 1
-            yield item
-
-    def abort(self) -> None:
-        """Abort every unfinished sequence and free its blocks (idempotent, never blocks long)."""
-        if self._num_open > 0:
-            self._num_open = 0
-            self._engine._abort(self.sequence_ids)
 
 
 class AsyncEngine:
@@ -189,7 +137,7 @@ class AsyncEngine:
             raise TypeError(f"inputs must be a PromptInput, got {type(inputs).__name__}")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = RequestStream(self, request_id, params.n, loop)
+        stream = RequestStream(self._abort, request_id, params.n, loop)
         done = loop.create_future()
         self._submit(
             _Add(request_id, inputs, params, cache_salt, fill_context, echo, stream, done)

@@ -187,7 +187,7 @@ def cmd_ray_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from kvmemo.server.router import run_router
+    from kvmemo.routing.router import run_router
 
     logging.getLogger("kvmemo.server").setLevel(logging.INFO)
     run_router(

@@ -12,7 +12,7 @@ pytest.importorskip("msgpack")
 
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from kvmemo.kv.hashing import BlockHash  # noqa: E402
-from kvmemo.server.block_index import ReplicaBlockIndex, follow_events  # noqa: E402
+from kvmemo.routing.block_index import ReplicaBlockIndex, follow_events  # noqa: E402
 from kvmemo.server.kv_events import (  # noqa: E402
     EventBatch,
     KVEventPublisher,

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvmemo.server.routing import Candidate, RoutingPolicy
+from kvmemo.routing.policy import Candidate, RoutingPolicy
 
 
 def test_longest_prefix_wins():

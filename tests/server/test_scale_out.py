@@ -128,7 +128,7 @@ def test_router_sends_a_repeated_prefix_to_its_holder_and_spreads_cold_prompts(c
 
 @pytest.fixture(scope="module")
 def router_tokenizer():
-    from kvmemo.server.prompt_hasher import load_tokenizer
+    from kvmemo.routing.prompt_hasher import load_tokenizer
 
     return load_tokenizer(None)  # what `kvmemo router` loads: tokenizer only, no weights
 
@@ -145,7 +145,7 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenize
     a chat request with tools, a tool choice and chat options too (its tools are rendered into
     the prompt by the same code on both sides)."""
     from kvmemo.kv.hashing import BlockHash
-    from kvmemo.server.prompt_hasher import PromptHasher
+    from kvmemo.routing.prompt_hasher import PromptHasher
 
     _, (a, _), _ = cluster
     text = _prompt(60)

@@ -1,6 +1,6 @@
 """KvmemoIngress: the OpenAI-compatible front of kvmemo on Ray Serve.
 
-It hashes each generation request's prompt as the replicas will (kvmemo.server.prompt_hasher,
+It hashes each generation request's prompt as the replicas will (kvmemo.routing.prompt_hasher,
 the same code `kvmemo router` uses), hands the request to the engine deployment through a Ray
 Serve handle, whose request router picks the replica, and streams the replica's response back.
 
@@ -55,7 +55,7 @@ class KvmemoIngress:
         chat_template: str | None = None,
         max_attempts: int = 3,
     ) -> None:
-        from kvmemo.server.prompt_hasher import load_tokenizer
+        from kvmemo.routing.prompt_hasher import load_tokenizer
 
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -88,7 +88,7 @@ class KvmemoIngress:
             return ()  # the replica answers the error
         if self._hasher is None:
             from kvmemo.kv.hashing import BlockHash
-            from kvmemo.server.prompt_hasher import PromptHasher
+            from kvmemo.routing.prompt_hasher import PromptHasher
 
             info = await self._replicas.kv_info.remote()
             self._hasher = PromptHasher(

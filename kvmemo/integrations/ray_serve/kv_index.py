@@ -7,7 +7,7 @@ new prefix goes to one replica before its first BlockStored arrives).
 
 Invariant: a replica's batches arrive in the order it sent them (Ray runs a caller's tasks on a
 threaded-off, one-at-a-time actor in submission order), so each replica's index follows its
-block map (kvmemo.server.block_index.ReplicaBlockIndex, as `kvmemo router` keeps it). A replica
+block map (kvmemo.routing.block_index.ReplicaBlockIndex, as `kvmemo router` keeps it). A replica
 the index has not heard of (the index restarted) is followed from its next batch on, knowing
 only what it learns from then.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from kvmemo.kv.hashing import BlockHash
-from kvmemo.server.block_index import ReplicaBlockIndex
+from kvmemo.routing.block_index import ReplicaBlockIndex
 from kvmemo.server.kv_events import decode_batch
 
 NAMESPACE = "kvmemo"

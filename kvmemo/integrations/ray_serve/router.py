@@ -3,7 +3,7 @@ the longest cached prefix of its KV blocks, else to the least loaded one.
 
 It runs wherever a handle to the engine deployment routes (the ingress). What each replica holds
 comes from the deployment's KV index (kv_index.py: the replicas' KV events plus the routes taken);
-the choice itself is `kvmemo router`'s policy (kvmemo.server.routing), over the requests this
+the choice itself is `kvmemo router`'s policy (kvmemo.routing.policy), over the requests this
 router has in flight on each replica.
 
 Invariant: only Ray's candidate replicas are ranked; a request without block hashes (not a
@@ -27,7 +27,7 @@ from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
 from kvmemo.integrations.ray_serve.kv_index import get_kv_index
-from kvmemo.server.routing import Candidate, RoutingPolicy
+from kvmemo.routing.policy import Candidate, RoutingPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from prometheus_client import (
 )
 
 from kvmemo.kv.hashing import BlockHash
-from kvmemo.server.block_index import ReplicaBlockIndex, follow_events
-from kvmemo.server.prompt_hasher import PromptHasher
-from kvmemo.server.routing import Candidate, RoutingPolicy
+from kvmemo.routing.block_index import ReplicaBlockIndex, follow_events
+from kvmemo.routing.policy import Candidate, RoutingPolicy
+from kvmemo.routing.prompt_hasher import PromptHasher
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ def run_router(
 ) -> None:
     import uvicorn
 
-    from kvmemo.server.prompt_hasher import load_tokenizer
+    from kvmemo.routing.prompt_hasher import load_tokenizer
 
     routing = RoutingPolicy(policy, balance_threshold)
     if health_interval_s <= 0:

@@ -27,10 +27,10 @@ def add_engine_flags(
         "auto: native for a GGUF on CPU, else dense (default: auto, or $KVMEMO_WEIGHTS)",
     )
     g.add_argument(
-        "--dense-cache-memory", default="1GiB",
+        "--dense-cache-memory", default=EngineConfig.dense_cache_memory,
         help="native weights: budget for the dense copies made by batched steps (decode steps of "
         "13-32 rows, steps over several sequences), counted at fp32 size; 0 keeps none "
-        "(default: 1GiB)",
+        f"(default: {EngineConfig.dense_cache_memory})",
     )
     g.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -39,14 +39,17 @@ def add_engine_flags(
         "weights is the exact mode",
     )
     g.add_argument(
-        "--kv-cache-memory", default="2GiB",
-        help="KV pool size, e.g. 2GiB (default: 2GiB)",
+        "--kv-cache-memory", default=EngineConfig.kv_cache_memory,
+        help=f"KV pool size, e.g. 2GiB (default: {EngineConfig.kv_cache_memory})",
     )
     g.add_argument(
         "--num-blocks", type=int, default=None,
         help="KV pool size in blocks (overrides --kv-cache-memory)",
     )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument(
+        "--block-size", type=int, default=EngineConfig.block_size,
+        help=f"tokens per KV block (default: {EngineConfig.block_size})",
+    )
     g.add_argument(
         "--kv-cache-dtype", default="auto",
         help="auto, float32, bfloat16, float16 or fp8_e4m3 (1 byte per value, calibrated per-head "
@@ -67,8 +70,8 @@ def add_engine_flags(
         f"{batched_tokens})",
     )
     g.add_argument(
-        "--max-num-seqs", type=int, default=64,
-        help="sequences per step at most (default: 64)",
+        "--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+        help=f"sequences per step at most (default: {EngineConfig.max_num_seqs})",
     )
     g.add_argument(
         "--max-model-len", type=int, default=None,
@@ -102,17 +105,19 @@ def add_engine_flags(
         "request's kv_reuse overrides it",
     )
     g.add_argument(
-        "--blend-recompute-ratio", type=float, default=0.15,
-        help="share of the reused chunk tokens recomputed, the most deviating (default: 0.15)",
+        "--blend-recompute-ratio", type=float, default=EngineConfig.blend_recompute_ratio,
+        help="share of the reused chunk tokens recomputed, the most deviating (default: "
+        f"{EngineConfig.blend_recompute_ratio})",
     )
     g.add_argument(
-        "--blend-check-layer", type=int, default=1,
-        help="layer whose K/V deviation picks the tokens to recompute (default: 1)",
+        "--blend-check-layer", type=int, default=EngineConfig.blend_check_layer,
+        help="layer whose K/V deviation picks the tokens to recompute (default: "
+        f"{EngineConfig.blend_check_layer})",
     )
     g.add_argument(
-        "--blend-min-reuse", type=float, default=0.5,
+        "--blend-min-reuse", type=float, default=EngineConfig.blend_min_reuse,
         help="below this share of chunk tokens cached, a blend request runs as an exact prefill "
-        "and its chunks are computed after it (default: 0.5)",
+        f"and its chunks are computed after it (default: {EngineConfig.blend_min_reuse})",
     )
     g.add_argument(
         "--blend-separator", default=None, metavar="TEXT",

@@ -14,6 +14,9 @@ Scheduler side (called by the Scheduler, engine thread):
         Tokens beyond the device hit held by the store as whole consecutive full blocks, from
         block num_computed_tokens // block_size on; at least one token is left to compute.
         Reads and validates those blocks now (a bad block ends the match).
+    count_stored_tokens(request, num_computed_tokens) -> num_tokens
+        The same run checked by existence only (no payload read, no match recorded): a cheap
+        estimate of a later hit, for ordering the waiting queue. Default 0.
     update_state_after_alloc(request, block_ids, num_external_tokens)
         The first num_external_tokens // block_size of block_ids (the request's new blocks)
         receive the matched payloads in this step. Without this call, the match is dropped.
@@ -34,6 +37,8 @@ Worker side (called by the ModelRunner / engine, engine thread):
     save_blocks(blocks)                  copies committed blocks off the device (all layers' K
                                          and V) and hands them to the store's writer thread.
     wait_for_save()                      blocks until the store has written queued saves.
+
+Both sides: stats -> ConnectorStats, the loads, saves and errors so far (EngineStats reads it).
 """
 
 from __future__ import annotations

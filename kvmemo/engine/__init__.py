@@ -1,5 +1,7 @@
-"""The engine: scheduler, model runner, sampler, beam search driver, the step loop and its
-async wrapper. The names below are its API; nothing outside this package imports its modules.
+"""The engine: its assembly (builder), scheduler, model runner, sampler, output processor, beam
+search driver, the step loop and its async wrapper. The names below are its API: nothing else in
+kvmemo imports its modules (tests/engine/test_engine_boundary.py checks it); tests and
+benchmarks may reach inside.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from kvmemo.kv.hybrid import HybridKVCacheManager
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.layers.linear import KernelChoice
-from kvmemo.model.layers.native_linear import DenseCopies
 from kvmemo.model.loading.loader import LoadedModel, load_model
 from kvmemo.model.models.llama_fast import prepare as prepare_model
 from kvmemo.units import parse_size_bytes
@@ -89,11 +88,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         config.model, dtype=config.dtype, device=str(device), weights=config.weights
     )
     compute_dtype = loaded.dtype  # config.dtype, "auto" resolved
-    # Native weights may keep dense copies for batched steps, within this budget.
-    loaded.model.dense_copies = DenseCopies(
-        parse_size_bytes(config.dense_cache_memory, "dense_cache_memory", allow_zero=True))
-    # Linear layers bind to the fastest kernels here (probed once per machine, cached).
-    linear_kernels = prepare_model(loaded.model)
+    # Linear layers bind to the fastest kernels here (probed once per machine, cached); native
+    # weights may keep dense copies for batched steps, within dense_cache_memory.
+    linear_kernels = prepare_model(loaded.model, dense_cache_bytes=parse_size_bytes(
+        config.dense_cache_memory, "dense_cache_memory", allow_zero=True))
     if device.type == "cpu":
         return_freed_memory()  # plain weights oneDNN no longer reads
     arch = loaded.arch_config

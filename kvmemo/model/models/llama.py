@@ -63,8 +63,8 @@ class LlamaForCausalLM(nn.Module):
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
         # itself is an empty placeholder); empty when the weights were dequantized at load.
         self.native_parts: dict[str, list[QuantizedWeight | torch.Tensor]] = {}
-        # Native weights' dense copies for batched steps and their budget (the engine sets it
-        # from dense_cache_memory before prepare_linears; None: no copies are made).
+        # Native weights' dense copies for batched steps and their budget (llama_fast.prepare
+        # sets it from the engine's dense_cache_memory; None: no copies are made).
         self.dense_copies: DenseCopies | None = None
 
     def _prepare_native_linears(self) -> KernelChoice:
@@ -269,6 +269,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (cos, sin), each [T, 1, D/2]; one table shared by all layers here."""
         return [self.rotary.cos_sin(positions, dtype)] * len(self.layers)
+
+    def begin_step(self, num_sequences: int) -> None:
+        """The next forward serves num_sequences sequences: native weights keep dense copies
+        for a step of several (DenseCopies)."""
+        if self.dense_copies is not None:
+            self.dense_copies.sequences = num_sequences
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

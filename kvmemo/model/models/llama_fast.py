@@ -38,19 +38,23 @@ from kvmemo.model.kernels.layer_ops import DTYPE_CODES, MAX_COLS, add_rmsnorm, r
 from kvmemo.model.kernels.quant_int8 import Fused, Int8Weights, mlp_block
 from kvmemo.model.layers.basic import AttentionFn, RMSNorm
 from kvmemo.model.layers.linear import KernelChoice
-from kvmemo.model.layers.native_linear import NativeLinear
+from kvmemo.model.layers.native_linear import DenseCopies, NativeLinear
 from kvmemo.model.models.llama import LlamaForCausalLM
 from kvmemo.model.models.llama_layer import DecoderLayer
 from kvmemo.model.models.llava import LlavaForConditionalGeneration
 
 
 def prepare(model: LlamaForCausalLM | LlavaForConditionalGeneration,
-            choice: KernelChoice | None = None) -> KernelChoice:
+            choice: KernelChoice | None = None,
+            dense_cache_bytes: int | None = None) -> KernelChoice:
     """Binds the model's projections to their kernels (`choice`, else the fastest here, probed
-    once per machine), then the fast paths that fit. Returns the kernel choice."""
-    choice = model.prepare_linears(choice)
+    once per machine), then the fast paths that fit. dense_cache_bytes: native weights' budget
+    for dense copies in batched steps (None keeps the model's). Returns the kernel choice."""
     language_model = (model.language_model if isinstance(model, LlavaForConditionalGeneration)
                       else model)
+    if dense_cache_bytes is not None:
+        language_model.dense_copies = DenseCopies(dense_cache_bytes)
+    choice = model.prepare_linears(choice)
     bind_fast_paths(language_model)
     return choice
 

@@ -49,6 +49,7 @@ ExtraKeys = tuple[ExtraKey, ...]
 
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
+_NO_KEYS = b"t" + _U32.pack(0)  # _encode(()): most blocks have no extra keys
 
 
 def check_algorithm(algorithm: str) -> None:
@@ -114,17 +115,22 @@ def hash_block(
     token_ids: Sequence[int],
     extra_keys: tuple,
     algorithm: str = "sha256",
+    token_bytes: bytes | None = None,
 ) -> BlockHash:
     """Hash of one full block, chained through its parent's hash.
 
     Encoding: len(parent) | parent | num_tokens | token ids as int64 LE | type-tagged extra keys.
+    token_bytes: the token ids already packed so (a caller hashing many blocks packs them at
+    once).
     """
-    out = bytearray(_U32.pack(len(parent)))
-    out += parent
-    out += _U32.pack(len(token_ids))
-    out += struct.pack(f"<{len(token_ids)}q", *token_ids)
-    _encode(tuple(extra_keys), out)
-    return _digest(bytes(out), algorithm)
+    if token_bytes is None:
+        token_bytes = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    keys: bytes | bytearray = _NO_KEYS
+    if extra_keys:
+        keys = bytearray()
+        _encode(tuple(extra_keys), keys)
+    return _digest(b"".join((_U32.pack(len(parent)), parent, _U32.pack(len(token_ids)),
+                             token_bytes, keys)), algorithm)
 
 
 def extra_keys_for_range(request: HashedSequence, start: int, end: int) -> ExtraKeys:
@@ -219,10 +225,19 @@ class RequestHasher:
         if not hashes and mm_items:
             _check_mm_items(mm_items)
         parent = hashes[-1] if hashes else self.root
-        for index in range(len(hashes), len(tokens) // size):
+        first, end = len(hashes), len(tokens) // size
+        if first >= end:
+            return
+        # Every block's token ids packed in one call (a cached 8,000-token prompt's 500 blocks
+        # took 8 ms of its time to first token one struct.pack at a time); the bytes hashed
+        # are hash_block's either way.
+        packed = struct.pack(f"<{(end - first) * size}q", *tokens[first * size : end * size])
+        for index in range(first, end):
             start = index * size
             keys = _extra_keys(mm_items, cache_salt, start, start + size, kv_marker)
-            parent = hash_block(parent, tokens[start : start + size], keys, self.algorithm)
+            offset = (index - first) * size * 8
+            parent = hash_block(parent, tokens[start : start + size], keys, self.algorithm,
+                                packed[offset : offset + size * 8])
             hashes.append(parent)
             self.num_hashed_blocks += 1
 

@@ -7,6 +7,9 @@ import os
 
 import torch
 
+# What the Triton GEMM and attention kernels compute in (fp8 pages are read as raw bytes).
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def interpreting() -> bool:
     """TRITON_INTERPRET=1: Triton runs kernels on CPU tensors in NumPy (how CI tests them).

@@ -326,25 +326,21 @@ class AsyncEngine:
         sequence = self._sequences.get(out.request_id)
         if sequence is None:  # aborted by the caller while the step ran
             return
-        token_texts: dict[int, str] = {}
         logprobs = out.outputs[0].logprobs
-        # Decode here: the tokenizer is only safe to use from the engine thread.
-        tokenizer = self.engine.tokenizer
+        named: list[int] = []  # token ids whose texts the caller's logprobs need
         if (out.prompt_logprobs is not None and out.outputs[0].token_ids
                 and not sequence.prompt_texts_sent):  # the whole prompt's are in
-            for prompt_entry in out.prompt_logprobs:
-                for token_id in prompt_entry or (out.prompt_token_ids[0],):
-                    if token_id not in token_texts:
-                        token_texts[token_id] = tokenizer.decode([token_id])
+            named += [t for entry in out.prompt_logprobs
+                      for t in entry or (out.prompt_token_ids[0],)]
             sequence.prompt_texts_sent = True
         if sequence.wants_logprobs and logprobs:
             # A delta output holds only new entries; a cumulative one all of them.
-            for entry in logprobs if sequence.delta else logprobs[sequence.num_logprob_entries :]:
-                for token_id in entry:
-                    if token_id not in token_texts:
-                        token_texts[token_id] = tokenizer.decode([token_id])
-            sequence.num_logprob_entries += len(logprobs) if sequence.delta else (
-                len(logprobs) - sequence.num_logprob_entries)
+            new = logprobs if sequence.delta else logprobs[sequence.num_logprob_entries :]
+            sequence.num_logprob_entries += len(new)
+            named += [t for entry in new for t in entry]
+        # Decoded here: the tokenizer is only safe to use from the engine thread.
+        tokenizer = self.engine.tokenizer
+        token_texts = {t: tokenizer.decode([t]) for t in dict.fromkeys(named)}
         sequence.stream._put(StreamItem(sequence.index, out, token_texts))
         if out.finished:
             del self._sequences[out.request_id]

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmemo.text_buffer import TextBuffer
+
 
 @dataclass
 class IncrementalDetokenizer:
@@ -33,35 +35,20 @@ class IncrementalDetokenizer:
     num_decoded_tokens: int = 0  # token ids passed to decode so far (the cost, for tests)
     _prefix_offset: int = 0  # the window starts here: tokens before it are settled in `text`
     _read_offset: int = 0  # tokens [_prefix_offset, _read_offset) are in `text` too
-    # The text as pieces, joined when read: `text += added` on an attribute copies the whole
-    # string every token (CPython extends in place only a local's).
-    _pieces: list[str] = field(default_factory=list)
-    _length: int = 0
+    _buffer: TextBuffer = field(default_factory=TextBuffer)  # the text (O(1) per token)
 
     @property
     def text(self) -> str:
         """The text so far (cut at a stop string)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return self._buffer.text
 
     @property
     def length(self) -> int:
-        return self._length
+        return self._buffer.length
 
     def text_since(self, offset: int) -> str:
-        """text[offset:], reading only the pieces past `offset` (a streamed delta's cost)."""
-        if offset >= self._length:
-            return ""
-        tail: list[str] = []
-        start = self._length
-        for piece in reversed(self._pieces):
-            if start <= offset:
-                break
-            tail.append(piece)
-            start -= len(piece)
-        joined = "".join(reversed(tail))
-        return joined[offset - start:]
+        """text[offset:], reading only what was added past `offset` (a streamed delta's cost)."""
+        return self._buffer.since(offset)
 
     @property
     def held_back(self) -> int:
@@ -70,9 +57,6 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None or not self.stop_strings:
             return 0
         return max(len(s) for s in self.stop_strings) - 1
-
-    def _set_text(self, text: str) -> None:
-        self._pieces, self._length = [text], len(text)
 
     def add_token(self, token_id: int, is_last: bool, *, shown: bool = True) -> bool:
         """Append a token; return True when a stop string was hit (text is cut before it, or
@@ -84,14 +68,12 @@ class IncrementalDetokenizer:
         if window.endswith("\ufffd") and not is_last:
             return False  # an unfinished multi-byte character: wait for the next token
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        search_from = max(0, self._length - max((len(s) for s in self.stop_strings), default=0))
+        search_from = max(0, self.length - max((len(s) for s in self.stop_strings), default=0))
         if window.startswith(prefix):
             added: str | None = window[len(prefix) :]
-            if added:
-                self._pieces.append(added)
-                self._length += len(added)
+            self._buffer.append(added or "")
         else:  # the window's decode rewrote its prefix's: decode everything, exactly
-            self._set_text(self._decode(self.token_ids))
+            self._buffer.replace(self._decode(self.token_ids))
             added, search_from = None, 0  # earlier text may have changed: search all of it
         # A step that added no text (a skipped special token) keeps its window: started at that
         # token, the next window would decode without the text before it, and a decoder that
@@ -105,7 +87,7 @@ class IncrementalDetokenizer:
             index = searched.find(stop)
             if index != -1:
                 end = search_from + index + (len(stop) if self.include_stop_str else 0)
-                self._set_text(self.text[:end])
+                self._buffer.replace(self.text[:end])
                 self.stop_reason = stop
                 return True
         return False

@@ -157,7 +157,7 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             logprobs=state.logprobs,
         )
-        return self._request_output(state, completion, state.prompt_logprobs, now)
+        return self._request_output(state, [completion], state.prompt_logprobs, now)
 
     def _delta_output(self, state: RequestState, now: float) -> RequestOutput | None:
         """What is new since the last output: text settled past the stop strings' reach,
@@ -184,9 +184,9 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             logprobs=logprobs,
         )
-        return self._request_output(state, completion, prompt_logprobs, now)
+        return self._request_output(state, [completion], prompt_logprobs, now)
 
-    def _request_output(self, state: RequestState, completion: CompletionOutput,
+    def _request_output(self, state: RequestState, completions: list[CompletionOutput],
                         prompt_logprobs: list[dict[int, float] | None] | None,
                         now: float) -> RequestOutput:
         request = state.request
@@ -209,7 +209,7 @@ class OutputProcessor:
             request_id=request.request_id,
             prompt=request.prompt_text,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
+            outputs=completions,
             finished=request.is_finished,
             metrics=metrics,
             prompt_logprobs=prompt_logprobs,
@@ -232,7 +232,4 @@ class OutputProcessor:
             )
             for i, beam in enumerate(search.finished)
         ]
-        placeholder = CompletionOutput(index=0, text="", token_ids=[])
-        out = self._request_output(state, placeholder, state.prompt_logprobs, now)
-        out.outputs = completions
-        return out
+        return self._request_output(state, completions, state.prompt_logprobs, now)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvmemo.engine import RequestStream, StreamItem
+from kvmemo.text_buffer import TextBuffer
 
 
 @dataclass
@@ -18,7 +19,6 @@ class Choice:
     (RequestOutputKind.DELTA), gathered here."""
 
     index: int  # which of the request's n samples
-    num_tokens: int = 0
     finish_reason: str | None = None
     num_logprobs_sent: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -26,17 +26,15 @@ class Choice:
     echo_sent: bool = False  # the echoed prompt went out (text and logprobs)
     # Characters of the generated tokens whose logprobs went out (completions' text_offset).
     logprob_chars: int = 0
-    _pieces: list[str] = field(default_factory=list)  # the text, joined when read
+    received: TextBuffer = field(default_factory=TextBuffer)  # its text, from the deltas
 
     @property
     def text(self) -> str:
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return self.received.text
 
-    def add_text(self, delta: str) -> None:
-        if delta:
-            self._pieces.append(delta)
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class TokenLogprob(NamedTuple):
@@ -79,8 +77,7 @@ class Job:
         completion = out.outputs[0]
         choice = self.choices[item.index]
         delta = completion.text  # a delta output: only what is new
-        choice.add_text(delta)
-        choice.num_tokens += len(completion.token_ids)
+        choice.received.append(delta)
         choice.token_ids.extend(completion.token_ids)
         choice.finish_reason = completion.finish_reason
         if completion.logprobs is not None:

@@ -25,10 +25,9 @@ except ImportError:  # triton_support.triton_unavailable_reason says why nothing
     triton = None
     tl = None
 
-from kvmemo.triton_support import interpreting
+from kvmemo.triton_support import TRITON_DTYPES, interpreting
 
 INTERPRETING = interpreting()  # fixed at import, as Triton fixes it when kernels are defined
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,8 @@ class Tiling:
     num_stages: int
 
 
-def tiling(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tiling:
-    """The tiling of a weight [n, k]: small tiles under the interpreter (seconds per test); on a
+def tiling(n: int, dtype: torch.dtype, device: torch.device) -> Tiling:
+    """The tiling of a weight of n rows: small tiles under the interpreter (seconds per test); on a
     GPU 64-row tiles for the tensor cores, and 32 columns where the weight is narrow so a
     decode step's few rows still spread over the multiprocessors."""
     if device.type != "cuda":
@@ -84,24 +83,23 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           shape: Tiling | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype (fp32 sums).
 
     Raises:
-        ValueError: mismatched dtypes or shapes, or a dtype outside DTYPES.
+        ValueError: mismatched dtypes or shapes, or a dtype outside TRITON_DTYPES.
     """
     if triton is None:
         raise RuntimeError("triton is not installed (pip install triton)")
-    if x.dtype != weight.dtype or x.dtype not in DTYPES:
-        raise ValueError(f"triton linear takes x and weight of one dtype among {DTYPES}; "
+    if x.dtype != weight.dtype or x.dtype not in TRITON_DTYPES:
+        raise ValueError(f"triton linear takes x and weight of one dtype among {TRITON_DTYPES}; "
                          f"got {x.dtype} and {weight.dtype}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"triton linear takes x [M, K] and weight [N, K]; got {tuple(x.shape)} "
                          f"and {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
-    shape = shape or tiling(n, k, weight.dtype, weight.device)
+    shape = tiling(n, weight.dtype, weight.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

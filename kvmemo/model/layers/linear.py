@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kvmemo import isa
 from kvmemo.model.kernels import skinny_linear
-from kvmemo.triton_support import triton_unavailable_reason
+from kvmemo.triton_support import TRITON_DTYPES, triton_unavailable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ def kernel_usable(name: str, dtype: torch.dtype, device: torch.device) -> bool:
     if name == "torch":
         return True
     if name == "triton":
-        return dtype in (torch.float32, torch.bfloat16, torch.float16) and (
-            triton_unavailable_reason(device) is None)
+        return dtype in TRITON_DTYPES and triton_unavailable_reason(device) is None
     if device.type != "cpu":
         return False
     if name == "onednn":

@@ -31,6 +31,7 @@ from kvmemo.model.layers.linear import (
     kernel_usable,
 )
 from kvmemo.paths import cache_root
+from kvmemo.triton_support import TRITON_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ _NEEDS = {
     ("skinny", torch.bfloat16): " (needs a C compiler)",
     ("skinny", torch.float32): " (needs a C compiler)",
     **{("triton", dtype): " (needs triton, and on a CPU TRITON_INTERPRET=1)"
-       for dtype in (torch.float32, torch.bfloat16, torch.float16)},
+       for dtype in TRITON_DTYPES},
 }
 
 

@@ -45,10 +45,6 @@ class EngineConfig:
     # file, decode steps on int8 activations), or "auto": native for a GGUF on CPU, else dense
     # ($KVMEMO_WEIGHTS overrides auto)
     weights: str = "auto"
-    # native weights: dense copies made by batched steps (decode steps of 13-32 rows, where a
-    # GEMM on them beats the int8 kernel, and steps over several sequences) while their fp32
-    # bytes fit this budget; 0 = never
-    dense_cache_memory: str | int = "1GiB"
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: str | int = "2GiB"  # KV pool size (ignored when num_blocks is set)
@@ -58,6 +54,11 @@ class EngineConfig:
     # kernels: CUDA, or CPU under TRITON_INTERPRET=1), "reference" (slow, obviously correct), or
     # "auto": triton on CUDA when triton is installed, else paged
     attention_backend: str = "auto"
+    # The paged backend attends each query row alone in one pass (True), so a request's tokens
+    # and logprobs do not depend on its batch, its chunks or its cache hits; False lets it share
+    # cascade prefixes, use flash prefill and split keys over threads: faster, with last-bit
+    # differences between those cases (attention/invariant.py)
+    batch_invariant: bool = True
     # CUDA only: decode steps run eagerly instead of replaying CUDA graphs captured per
     # batch-size bucket (engine/cuda_graphs.py), as vLLM's enforce_eager
     enforce_eager: bool = False
@@ -102,7 +103,6 @@ class EngineConfig:
             )
         parse_size_bytes(self.kv_cache_memory, "kv_cache_memory")
         parse_size_bytes(self.encoder_cache_memory, "encoder_cache_memory")
-        parse_size_bytes(self.dense_cache_memory, "dense_cache_memory", allow_zero=True)
         _positive("num_blocks", self.num_blocks, allow_none=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)

@@ -75,7 +75,7 @@ def paged_case(
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    return PagedAttentionBackend(SCALE), cache, metadata, q, k, v
+    return PagedAttentionBackend(SCALE, batch_invariant=False), cache, metadata, q, k, v
 
 
 def decode_bench(num_seqs: int, context: int, repeats: int) -> dict:

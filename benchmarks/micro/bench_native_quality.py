@@ -10,8 +10,8 @@ modes read the same requantized file, so a row isolates the native kernels' erro
 K-quants). Agreement: the fp8 benchmark's 16 prompts, 64 greedy tokens of the fp32 mode as
 reference; native predicts each next token with the reference as context, fed one token per step
 through the paged cache (the decode path, where the int8 kernels run). Perplexity:
-benchmarks/data/perplexity_text.txt in chunks of 16 tokens (with dense_cache_memory=0 the kernels
-serve up to 32 rows; the fp32 mode reads it in the same chunks). Writes benchmarks/results/native_quality.json.
+benchmarks/data/perplexity_text.txt in chunks of 16 tokens (the fp32 mode reads it in the same
+chunks). Writes benchmarks/results/native_quality.json.
 """
 
 from __future__ import annotations
@@ -111,10 +111,9 @@ def measure(path: Path, label: str, formats: str) -> dict:
     rows = {}
     reference: list[list[int]] = []
     for weights in ("dense", "native"):
-        # No dense copies: the native rows' chunks (16 rows) stay on the int8 kernels.
         hybrid = "gemma" in label.lower()  # sliding-window layers: measured through the engine
         llm = LLM(str(path), weights=weights, dtype="float32", num_blocks=1024 if hybrid else 256,
-                  enable_prefix_caching=hybrid, dense_cache_memory=0,
+                  enable_prefix_caching=hybrid,
                   max_num_batched_tokens=CHUNK if hybrid else 2048)
         prompt_ids = prompts(llm)
         text_ids = llm.engine.processor.encode_prompt(TEXT.read_text())

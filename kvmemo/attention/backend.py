@@ -16,6 +16,7 @@ from kvmemo.attention.cache import PagedKVCache, dequantize_fp8
 from kvmemo.attention.cascade import cascade_attention
 from kvmemo.attention.fp8_fold import fold_fp8_query, unfold_fp8_output
 from kvmemo.attention.fused_decode import FusedDecode
+from kvmemo.attention.invariant import RowPlan
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.attention.names import ATTENTION_BACKENDS
 from kvmemo.attention.paged import StepPlan, grouped_attention, paged_attention_pages
@@ -46,14 +47,21 @@ class AttentionBackend(Protocol):
 class PagedAttentionBackend:
     """The default backend (CPU and CUDA): batched decode, per-sequence prefill, cascade prefixes.
 
+    batch_invariant (the default): every query row through the decode kernel's per-query loop
+    (invariant.py), so a query's output never depends on the rest of the step; steps that plan
+    cannot serve (no C compiler, a window hiding keys) and batch_invariant=False take the
+    faster paths below: cascade over shared prefixes, flash prefill, keys split over threads.
+
     Owns a Workspace of gather buffers and the StepPlan of the current step, rebuilt only when a
     new metadata object arrives (once per step, shared by all layers).
     """
 
     name = "paged"
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, batch_invariant: bool = True):
         self.scale = scale
+        self.batch_invariant = batch_invariant
+        self._rows: RowPlan | None = None  # this step's, when batch_invariant and it serves
         self.workspace = Workspace()
         self._plan_metadata: AttentionMetadata | None = None
         self._plan: StepPlan | None = None
@@ -74,8 +82,10 @@ class PagedAttentionBackend:
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        plan = self._plan_for(metadata, kv_cache)
+        plan = self._plan_for(metadata, kv_cache, q)
         check_step_tensors(q, k, v, kv_cache, metadata)
+        if self._rows is not None:
+            return self._rows.attend(layer, q, k, v, kv_cache, self.scale)
         fused = self._fused
         if fused is not None and fused.kernel.write_fits(q, k, v):
             # Every sequence decodes: one C call per part writes the KV and attends (from a
@@ -101,12 +111,15 @@ class PagedAttentionBackend:
             )
         return unfold_fp8_output(out, kv_cache, layer)
 
-    def _plan_for(self, metadata: AttentionMetadata, kv_cache: PagedKVCache) -> StepPlan:
+    def _plan_for(self, metadata: AttentionMetadata, kv_cache: PagedKVCache,
+                  q: torch.Tensor) -> StepPlan:
         if metadata is not self._plan_metadata or self._plan is None:
             check_metadata_fits_cache(metadata, kv_cache)
             self._plan = StepPlan.build(metadata)
             self._plan_metadata = metadata
-            self._fused = FusedDecode.plan(self._plan, metadata, kv_cache, self.prefix_packs)
+            self._rows = RowPlan.build(metadata, kv_cache, q) if self.batch_invariant else None
+            self._fused = None if self._rows is not None else FusedDecode.plan(
+                self._plan, metadata, kv_cache, self.prefix_packs)
         return self._plan
 
 
@@ -135,17 +148,18 @@ class ReferenceAttentionBackend:
 
 
 def select_attention_backend(
-    name: str, scale: float, device: torch.device | str = "cpu"
+    name: str, scale: float, device: torch.device | str = "cpu", batch_invariant: bool = True,
 ) -> AttentionBackend:
     """The backend called `name`: 'paged' (CPU kernels and torch), 'triton' (Triton kernels:
     CUDA, or CPU under TRITON_INTERPRET=1), 'reference', or 'auto' (triton on CUDA when triton
-    is installed, else paged)."""
+    is installed, else paged). batch_invariant: the paged backend's (the Triton kernels are
+    batch-invariant by construction, the reference computes one sequence at a time)."""
     if name == "auto":
         name = "paged"
         if torch.device(device).type == "cuda" and triton_unavailable_reason(device) is None:
             name = "triton"
     if name == "paged":
-        return PagedAttentionBackend(scale)
+        return PagedAttentionBackend(scale, batch_invariant)
     if name == "triton":
         reason = triton_unavailable_reason(device)
         if reason is not None:

@@ -27,12 +27,6 @@ def add_engine_flags(
         "auto: native for a GGUF on CPU, else dense (default: auto, or $KVMEMO_WEIGHTS)",
     )
     g.add_argument(
-        "--dense-cache-memory", default=EngineConfig.dense_cache_memory,
-        help="native weights: budget for the dense copies made by batched steps (decode steps of "
-        "13-32 rows, steps over several sequences), counted at fp32 size; 0 keeps none "
-        f"(default: {EngineConfig.dense_cache_memory})",
-    )
-    g.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="compute dtype; auto: bfloat16 for dense weights on a CPU with avx512_bf16 or AMX "
         "(or a bf16 GPU), else float32 (default: auto, or $KVMEMO_DTYPE); float32 with dense "
@@ -59,6 +53,12 @@ def add_engine_flags(
         "--attention-backend", default="auto", choices=["auto", "paged", "triton", "reference"],
         help="paged (CPU kernels), triton (Triton kernels, the GPU's) or reference; auto: triton "
         "on CUDA when triton is installed, else paged (default: auto)",
+    )
+    g.add_argument(
+        "--no-batch-invariant", dest="batch_invariant", action="store_false",
+        help="let the paged backend share cascade prefixes, run flash prefill and split keys over "
+        "threads: faster, but a request's last bits may then depend on its batch, its chunks and "
+        "its cache hits (default: batch-invariant)",
     )
     g.add_argument(
         "--enforce-eager", action="store_true",
@@ -194,12 +194,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,
-        dense_cache_memory=args.dense_cache_memory,
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        batch_invariant=args.batch_invariant,
         enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -89,9 +89,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     compute_dtype = loaded.dtype  # config.dtype, "auto" resolved
     # Linear layers bind to the fastest kernels here (probed once per machine, cached); native
-    # weights may keep dense copies for batched steps, within dense_cache_memory.
-    linear_kernels = prepare_model(loaded.model, dense_cache_bytes=parse_size_bytes(
-        config.dense_cache_memory, "dense_cache_memory", allow_zero=True))
+    # weights take the quantized kernels at every row count.
+    linear_kernels = prepare_model(loaded.model)
     if device.type == "cpu":
         return_freed_memory()  # plain weights oneDNN no longer reads
     arch = loaded.arch_config
@@ -141,7 +140,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scale=arch.attention_scale,
         device=device,
         attention_backend=select_attention_backend(
-            config.attention_backend, arch.attention_scale, device
+            config.attention_backend, arch.attention_scale, device, config.batch_invariant
         ),
         kv_connector=kv_connector,
         encoder_cache=encoder_cache,

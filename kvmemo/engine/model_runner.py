@@ -161,7 +161,6 @@ class ModelRunner:
             [torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
              torch.tensor([metadata.query_start_loc[i + 1] - 1 for i in sampling],
                           dtype=torch.int64)], self.device)
-        self.model.begin_step(len(seqs))  # native weights: batched steps keep dense copies
         multimodal = self._multimodal_embeds(seqs, ids, metadata)
         hidden = None
         if self.decode_graphs is not None and not multimodal and len(ids) == len(seqs):

@@ -26,10 +26,6 @@ class CausalLM(Protocol):
         """input_ids [T], positions [T] -> final-normed hidden states [T, hidden] fp32."""
         ...
 
-    def begin_step(self, num_sequences: int) -> None:
-        """The next forward serves num_sequences sequences (native weights' dense copies)."""
-        ...
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab] (the exact head)."""
         ...

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmemo.attention import cascade, fused_decode, lse_attention, paged
+from kvmemo.attention import cascade, fused_decode, invariant, lse_attention, paged
 from kvmemo.attention.kernels.paged_decode import load_decode_kernel
 
 
@@ -21,4 +21,5 @@ def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         for module in (paged, lse_attention):
             monkeypatch.setattr(module, "flash_attention", lambda *args, **kwargs: None)
         monkeypatch.setattr(fused_decode, "load_decode_kernel", lambda: None)  # the fused KV write
+        monkeypatch.setattr(invariant, "load_decode_kernel", lambda: None)  # per-row plans
     return request.param

@@ -28,7 +28,8 @@ DTYPES = [torch.float32, torch.bfloat16, FP8_DTYPE]
 
 
 def backends():
-    return [PagedAttentionBackend(SCALE), ReferenceAttentionBackend(SCALE)]
+    return [PagedAttentionBackend(SCALE), PagedAttentionBackend(SCALE, batch_invariant=False),
+            ReferenceAttentionBackend(SCALE)]
 
 
 def check(batch, atol: float = 2e-5) -> torch.Tensor:
@@ -75,14 +76,15 @@ def test_all_decode_batch_of_unequal_lengths(dtype):
     check(make_batch(cached=cached, new=[1] * len(cached), group=4, block_size=16, dtype=dtype, seed=7))
 
 
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "variant"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_chunked_prefill_over_steps_equals_one_dense_pass(dtype):
+def test_chunked_prefill_over_steps_equals_one_dense_pass(dtype, invariant):
     """A 70-token prompt fed in chunks of 1..23 tokens, with another sequence decoding beside it."""
     block_size, chunks = 8, [23, 1, 16, 9, 21]
     batch = make_batch(cached=[0, 40], new=[70, len(chunks)], group=3, block_size=block_size, dtype=dtype)
     table_a, table_b = batch.metadata.block_tables[0].tolist(), batch.metadata.block_tables[1].tolist()
     full_q = batch.q  # rows 0..69 the prompt's queries, then one decode query per step
-    backend, outs, start = PagedAttentionBackend(SCALE), [], 0
+    backend, outs, start = PagedAttentionBackend(SCALE, invariant), [], 0
     for step, n in enumerate(chunks):
         md = AttentionMetadata.build(
             block_tables=[table_a, table_b], num_computed_tokens=[start, 40 + step], query_lens=[n, 1],
@@ -142,7 +144,8 @@ def test_function_form_matches_reference_on_logical_caches():
 
 
 def test_workspace_buffers_are_allocated_on_demand_grown_and_reused(decode_path):
-    backend = PagedAttentionBackend(SCALE)
+    # the gather and flash paths' buffers (the batch-invariant path reads pages in place)
+    backend = PagedAttentionBackend(SCALE, batch_invariant=False)
     assert backend.workspace.nbytes == 0  # nothing exists before the first call
     small = make_batch(cached=[10, 20], new=[1, 1], group=3, block_size=8, seed=1)
     backend.forward(0, small.q, small.new_k, small.new_v, small.cache, small.metadata)

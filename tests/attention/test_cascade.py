@@ -433,7 +433,8 @@ def _decode_step(q: torch.Tensor, cache: PagedKVCache, md: AttentionMetadata,
     flat_k[md.slot_mapping] = 0
     flat_v[md.slot_mapping] = 0
     calls.clear()
-    got = PagedAttentionBackend(HEAD_DIM**-0.5).forward(0, q, new_k, new_v, cache, md)
+    got = PagedAttentionBackend(HEAD_DIM**-0.5, batch_invariant=False).forward(
+        0, q, new_k, new_v, cache, md)
     assert torch.equal(flat_k[md.slot_mapping], new_k)
     assert torch.equal(flat_v[md.slot_mapping], new_v)
     return got, expected

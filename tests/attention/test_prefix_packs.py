@@ -57,7 +57,7 @@ def test_the_prefix_is_packed_once_and_repacked_when_a_block_is_handed_out_again
     for pages in (cache.k_pages[0], cache.v_pages[0]):
         pages.copy_(torch.randn_like(pages))
     pool = BlockPool(PREFIX_BLOCKS + SEQS)
-    backend = PagedAttentionBackend(SCALE)
+    backend = PagedAttentionBackend(SCALE, batch_invariant=False)  # cascade's packs
     backend.prefix_packs.generations = pool.generations
 
     for step in range(3):  # the same prefix step after step: packed at the first only
@@ -84,7 +84,7 @@ def test_without_generations_nothing_is_kept(packs_calls):
     cache = PagedKVCache.allocate(num_layers=1, num_blocks=PREFIX_BLOCKS + SEQS, block_size=BLOCK,
                                   num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16,
                                   device="cpu")
-    backend = PagedAttentionBackend(SCALE)  # no engine handed over a pool's generations
+    backend = PagedAttentionBackend(SCALE, batch_invariant=False)  # no pool generations
     for step in range(2):
         got, expected = decode_step(backend, cache, [2 + step] * SEQS)
         torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)

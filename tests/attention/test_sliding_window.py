@@ -60,7 +60,8 @@ def check(batch, window: int, release: bool, atol: float = 2e-5) -> None:
         for s in range(md.num_seqs)
     ])
     metadata = windowed(batch, window, release)
-    for backend in (PagedAttentionBackend(SCALE), ReferenceAttentionBackend(SCALE)):
+    for backend in (PagedAttentionBackend(SCALE), PagedAttentionBackend(SCALE, False),
+                    ReferenceAttentionBackend(SCALE)):
         got = backend.forward(0, batch.q, batch.new_k, batch.new_v, batch.cache, metadata)
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol,
                                    msg=lambda m: f"{backend.name} window {window}: {m}")

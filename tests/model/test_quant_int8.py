@@ -91,6 +91,23 @@ def test_activation_codes_are_round_to_nearest_with_scale_amax_over_127() -> Non
 
 
 @pytest.mark.parametrize("qtype", sorted(INT8_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qtype: GGMLQuantizationType,
+                                                              build: str) -> None:
+    """Batch invariance, every type and build: 1,030 rows in one call (several passes of x rows,
+    weights unpacked ahead once per pass) give each row the bits it gets alone or in a call of 5
+    (one tile of 4 and a tail) or 1,024 rows (pass boundaries elsewhere)."""
+    values, _ = GGML_QUANT_SIZES[qtype]
+    weight, _ = _weight(qtype, 37, 3 * max(values, 32), seed=5)
+    x = torch.randn(1030, weight.num_cols, generator=torch.Generator().manual_seed(6))
+    kernel = Int8Weights([weight])
+    whole = kernel(x)
+    assert torch.equal(kernel(x[6:]), whole[6:])
+    for start in (0, 3, 511, 1025):
+        assert torch.equal(kernel(x[start:start + 1]), whole[start:start + 1]), start
+        assert torch.equal(kernel(x[start:start + 5]), whole[start:start + 5]), start
+
+
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
 def test_products_equal_linear_of_rounded_activations(qtype: GGMLQuantizationType, build: str) -> None:
     values, _ = GGML_QUANT_SIZES[qtype]
     unit = max(values, 32)

@@ -491,7 +491,9 @@ static inline void store_io(const float *src, int io, int64_t n, void *dst) {
  * merged by their log-sum-exps (flash-decoding). */
 enum { MIN_PART_KEYS = 128 };
 
-static int64_t parts_per_item(int64_t items, const int64_t *kv_lens, int64_t B, int64_t bs) {
+static int64_t parts_per_item(int64_t items, const int64_t *kv_lens, int64_t B, int64_t bs,
+                              int split) {
+    if (!split) return 1; /* batch-invariant: a query's keys in one pass, whatever the batch */
 #ifdef _OPENMP
     const int64_t threads = omp_get_max_threads();
 #else
@@ -513,11 +515,11 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                         int64_t table_stride, const int64_t *table_rows, int64_t first_block,
                         const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t bs, int64_t num_blocks, float scale, void *out, float *lse,
-                        const float *o_init, const float *lse_init) {
+                        const float *o_init, const float *lse_init, int split) {
     int G = (int)(Hq / Hkv);
     if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
     const int64_t io_bytes = io ? 2 : 4;
-    const int64_t items = B * Hkv, parts = parts_per_item(items, kv_lens, B, bs);
+    const int64_t items = B * Hkv, parts = parts_per_item(items, kv_lens, B, bs, split);
     /* Parts: each item's o [parts][G][D] and lse [parts][G] (fp32), merged after the loop. */
     float *part_o = NULL, *part_lse = NULL;
     if (parts > 1) {
@@ -621,15 +623,17 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
 }
 
 /* Returns 0, 1 when D or the group exceeds the fixed tile buffers (the caller falls back), or
- * 3 when the split's scratch could not be allocated. */
+ * 3 when the split's scratch could not be allocated. split = 0: never split a query's keys over
+ * threads (flash-decoding's merge is other arithmetic than one pass), so each query's output
+ * is a function of its own keys alone: batch-invariant. */
 int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages, int dtype,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
                         int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,
                         int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
-                        float *out, float *lse) {
+                        float *out, float *lse, int split) {
     return paged_decode(q, Hq * D, NULL, NULL, 0, 0, NULL, k_pages, v_pages, dtype, block_tables,
                         table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv, D, bs,
-                        num_blocks, scale, out, lse, NULL, NULL);
+                        num_blocks, scale, out, lse, NULL, NULL, split);
 }
 
 /* A decode step's attention for one layer with its KV write folded in: sequence b's new key and
@@ -638,17 +642,19 @@ int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages
  * q_stride apart; q, k_new, v_new and out ([B, Hq, D] contiguous) are fp32 (io = 0) or bf16
  * (io = 1); fp32 or bf16 pages. With o_prefix [B, Hq, D] and lse_prefix [B, Hq] (fp32: a
  * cascade's attention over the shared keys before first_block), those are the online softmax's
- * starting state, so out is attention over prefix and suffix together, merged in place. */
+ * starting state, so out is attention over prefix and suffix together, merged in place. split as
+ * kvmemo_paged_decode's. */
 int kvmemo_paged_decode_write(const void *q, int64_t q_stride, const void *k_new,
                               const void *v_new, int64_t kv_stride, int io, const int64_t *slots,
                               void *k_pages, void *v_pages, int dtype, const int64_t *block_tables,
                               int64_t table_stride, const int64_t *table_rows, int64_t first_block,
                               const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
                               int64_t D, int64_t bs, int64_t num_blocks, float scale,
-                              const float *o_prefix, const float *lse_prefix, void *out) {
+                              const float *o_prefix, const float *lse_prefix, void *out,
+                              int split) {
     if ((dtype != KV_F32 && dtype != KV_BF16) || (io != 0 && io != 1)) return 2;
     if ((o_prefix == NULL) != (lse_prefix == NULL)) return 2; /* a starting state needs both */
     return paged_decode(q, q_stride, k_new, v_new, kv_stride, io, slots, k_pages, v_pages, dtype,
                         block_tables, table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv,
-                        D, bs, num_blocks, scale, out, NULL, o_prefix, lse_prefix);
+                        D, bs, num_blocks, scale, out, NULL, o_prefix, lse_prefix, split);
 }

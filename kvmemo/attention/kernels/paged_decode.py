@@ -62,8 +62,11 @@ class DecodeKernel:
         kv_lens: torch.Tensor,  # [B] int64 keys per sequence, counted from first_block
         scale: float,
         with_lse: bool = False,
+        split: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention output [B, Hq, D] in q's dtype and, if asked, the fp32 log-sum-exp [B, Hq]."""
+        """Attention output [B, Hq, D] in q's dtype and, if asked, the fp32 log-sum-exp [B, Hq].
+        split=False keeps each query's keys in one pass on one thread (batch-invariant: its
+        output does not depend on how many queries share the call)."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads, num_blocks, block_size, _ = k_pages.shape
         if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
@@ -80,7 +83,7 @@ class DecodeKernel:
             q32.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), KV_DTYPE_CODES[k_pages.dtype],
             tables.data_ptr(), tables.shape[1], None if rows is None else rows.data_ptr(),
             first_block, lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
-            num_blocks, scale, out.data_ptr(), None if lse is None else lse.data_ptr(),
+            num_blocks, scale, out.data_ptr(), None if lse is None else lse.data_ptr(), int(split),
         )
         if status == 3:
             raise MemoryError("decode kernel: no memory for the split keys' partial results")
@@ -109,6 +112,7 @@ class DecodeKernel:
         # A cascade's attention over the shared keys before first_block: o [B, Hq, D] and lse
         # [B, Hq], fp32 contiguous; the result is then attention over both, merged in place.
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        split: bool = True,
     ) -> torch.Tensor:
         """Writes k/v into their slots, then attends as __call__ does: [B, Hq, D] in q's dtype.
         The caller has checked that write_fits()."""
@@ -123,7 +127,7 @@ class DecodeKernel:
             None if table_rows is None else table_rows.data_ptr(), first_block,
             kv_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
             scale, None if o_prefix is None else o_prefix.data_ptr(),
-            None if lse_prefix is None else lse_prefix.data_ptr(), out.data_ptr(),
+            None if lse_prefix is None else lse_prefix.data_ptr(), out.data_ptr(), int(split),
         )
         if status == 3:
             raise MemoryError("decode kernel: no memory for the split keys' partial results")
@@ -157,12 +161,12 @@ def load_decode_kernel() -> DecodeKernel | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [
         _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p,
-        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p,
+        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, ctypes.c_int,
     ]
     write_fn = library.kvmemo_paged_decode_write
     write_fn.restype = ctypes.c_int
     write_fn.argtypes = [
         _p, _i64, _p, _p, _i64, ctypes.c_int, _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p,
-        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p,
+        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p, ctypes.c_int,
     ]
     return DecodeKernel(path=Path(library._name), fn=fn, write_fn=write_fn)

@@ -234,10 +234,16 @@ static inline __attribute__((always_inline)) void pair32(int type, const uint8_t
         *c = _mm512_setzero_ps();
 }
 
-/* 512-bit: two consecutive runs (j, j + 1) per instruction; `tail` takes run j alone. */
-static inline __attribute__((always_inline)) void run_products(
-    int type, int R, const uint8_t *row, int64_t j, int tail, const int8_t *xq, const float *xd,
-    int64_t K, int64_t nb, __m512 *acc_p, __m512 *acc_c) {
+/* Runs j and j + 1 of a weight row (run j alone when `tail`) as one vector of unsigned codes,
+ * their scales and offsets per lane, and (Q8_0) the mask of negative codes. */
+typedef struct {
+    __m512i u;
+    __m512 s, c;
+    __mmask64 neg;
+} pair_t;
+
+static inline __attribute__((always_inline)) pair_t unpack_pair(int type, const uint8_t *row,
+                                                                int64_t j, int tail) {
     __m512i w;
     __m512 s, c;
     if (!tail && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
@@ -253,85 +259,140 @@ static inline __attribute__((always_inline)) void run_products(
         c = _mm512_insertf32x8(_mm512_castps256_ps512(half_lanes(a.ca, a.cb)),
                                half_lanes(b.ca, b.cb), 1);
     }
-    const __m512i u = type == T_Q8_0 ? _mm512_abs_epi8(w) : w;
-    const __mmask64 neg = _mm512_movepi8_mask(w); /* Q8_0: the sign moves onto x */
+    pair_t p;
+    p.u = type == T_Q8_0 ? _mm512_abs_epi8(w) : w;
+    p.neg = _mm512_movepi8_mask(w); /* Q8_0: the sign moves onto x */
+    p.s = s;
+    p.c = c;
+    return p;
+}
+
+/* One pair of runs against x rows [0, R). */
+static inline __attribute__((always_inline)) void pair_products(
+    int type, int R, pair_t p, int64_t j, int tail, const int8_t *xq, const float *xd, int64_t K,
+    int64_t nb, __m512 *acc_p, __m512 *acc_c) {
     const __mmask64 bytes = tail ? 0xFFFFFFFFull : ~0ull;
     const __mmask16 lanes = tail ? 0x00FF : 0xFFFF;
     for (int m = 0; m < R; m++) {
         __m512i q = _mm512_maskz_loadu_epi8(bytes, xq + m * K + 32 * j);
-        if (type == T_Q8_0) q = _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q);
+        if (type == T_Q8_0) q = _mm512_mask_sub_epi8(q, p.neg, _mm512_setzero_si512(), q);
         const float *e = xd + m * 16 * nb + 8 * j;
-        const __m512 p = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q)), s);
-        acc_p[m] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(lanes, e), acc_p[m]);
+        const __m512 d = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p.u, q)), p.s);
+        acc_p[m] = _mm512_fmadd_ps(d, _mm512_maskz_loadu_ps(lanes, e), acc_p[m]);
         if (type != T_Q8_0)
-            acc_c[m] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(lanes, e + 8 * nb), acc_c[m]);
+            acc_c[m] = _mm512_fmadd_ps(p.c, _mm512_maskz_loadu_ps(lanes, e + 8 * nb), acc_c[m]);
     }
 }
 
-/* y[m * ldy] for x rows [0, R) against one weight row. Two sets of accumulators take
- * alternate pairs of runs, so consecutive FMAs into one register do not wait on each other. */
+/* y[m * ldy] for x rows [0, R) against one weight row: from its bytes (row) or, when `pairs` is
+ * not NULL, from its runs unpacked before (pack_row: the same vectors, so the same sums). Two
+ * sets of accumulators take alternate pairs of runs, so consecutive FMAs into one register do
+ * not wait on each other. */
 static inline __attribute__((always_inline)) void row_tile(int type, int R, const uint8_t *row,
-                                                           const int8_t *xq, const float *xd,
-                                                           int64_t K, float *y, int64_t ldy) {
+                                                           const pair_t *pairs, const int8_t *xq,
+                                                           const float *xd, int64_t K, float *y,
+                                                           int64_t ldy) {
     const int64_t nb = K / 32;
     __m512 p0[TILE], p1[TILE], c0[TILE], c1[TILE];
     for (int m = 0; m < R; m++) p0[m] = p1[m] = c0[m] = c1[m] = _mm512_setzero_ps();
+#define PAIR(j, tail) (pairs ? pairs[(j) / 2] : unpack_pair(type, row, j, tail))
     int64_t j = 0;
     for (; j + 3 < nb; j += 4) {
-        run_products(type, R, row, j, 0, xq, xd, K, nb, p0, c0);
-        run_products(type, R, row, j + 2, 0, xq, xd, K, nb, p1, c1);
+        pair_products(type, R, PAIR(j, 0), j, 0, xq, xd, K, nb, p0, c0);
+        pair_products(type, R, PAIR(j + 2, 0), j + 2, 0, xq, xd, K, nb, p1, c1);
     }
-    for (; j < nb; j += 2) run_products(type, R, row, j, j + 1 == nb, xq, xd, K, nb, p0, c0);
+    for (; j < nb; j += 2) {
+        const int tail = j + 1 == nb;
+        pair_products(type, R, PAIR(j, tail), j, tail, xq, xd, K, nb, p0, c0);
+    }
+#undef PAIR
     for (int m = 0; m < R; m++)
         y[m * ldy] = _mm512_reduce_add_ps(
             _mm512_add_ps(_mm512_add_ps(p0[m], p1[m]), _mm512_add_ps(c0[m], c1[m])));
 }
 
+typedef pair_t unpacked_t;
+enum { RUNS_PER_UNPACKED = 2 };
+static inline void pack_row(int type, const uint8_t *row, int64_t nb, unpacked_t *out) {
+    for (int64_t j = 0; j < nb; j += 2) out[j / 2] = unpack_pair(type, row, j, j + 1 == nb);
+}
+
 #elif defined(__AVX2__)
+/* Weight run j as unsigned codes, the mask source for Q8_0's signs, its scales and offsets. */
+typedef struct {
+    __m256i u, w;
+    __m256 s, c;
+} unpacked_t;
+enum { RUNS_PER_UNPACKED = 1 };
+
+static inline __attribute__((always_inline)) unpacked_t unpack_run(int type, const uint8_t *row,
+                                                                   int64_t j) {
+    const run_t r = unpack(type, row, j);
+    unpacked_t p;
+    p.w = (__m256i)r.u;
+    p.u = type == T_Q8_0 ? _mm256_abs_epi8(p.w) : p.w;
+    p.s = half_lanes(r.sa, r.sb);
+    p.c = half_lanes(r.ca, r.cb);
+    return p;
+}
+
 /* Weight run j against x rows [0, R): acc_p[r] += (lanes of <u, q>) * s * d, acc_c[r] +=
  * c * (d * sums / 4). Inlined with R constant, so the accumulators are registers. */
 static inline __attribute__((always_inline)) void run_products(
-    int type, int R, const uint8_t *row, int64_t j, const int8_t *xq, const float *xd, int64_t K,
+    int type, int R, unpacked_t r, int64_t j, const int8_t *xq, const float *xd, int64_t K,
     int64_t nb, __m256 *acc_p, __m256 *acc_c) {
-    const run_t r = unpack(type, row, j);
-    const __m256i w = (__m256i)r.u, u = type == T_Q8_0 ? _mm256_abs_epi8(w) : w;
-    const __m256 s = half_lanes(r.sa, r.sb), c = half_lanes(r.ca, r.cb);
     for (int m = 0; m < R; m++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * j));
-        if (type == T_Q8_0) q = _mm256_sign_epi8(q, w);
+        if (type == T_Q8_0) q = _mm256_sign_epi8(q, r.w);
         const float *e = xd + m * 16 * nb + 8 * j;
-        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(u, q)), s);
+        const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(r.u, q)), r.s);
         acc_p[m] = _mm256_fmadd_ps(p, _mm256_loadu_ps(e), acc_p[m]);
-        if (type != T_Q8_0) acc_c[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(e + 8 * nb), acc_c[m]);
+        if (type != T_Q8_0) acc_c[m] = _mm256_fmadd_ps(r.c, _mm256_loadu_ps(e + 8 * nb), acc_c[m]);
     }
 }
 
-/* y[m * ldy] for x rows [0, R) against one weight row. Two sets of accumulators take even and
- * odd runs, so consecutive FMAs into one register do not wait on each other (latency 4). */
+/* y[m * ldy] for x rows [0, R) against one weight row, from its bytes or its runs unpacked
+ * before (`runs`, see pack_row). Two sets of accumulators take even and odd runs, so
+ * consecutive FMAs into one register do not wait on each other (latency 4). */
 static inline __attribute__((always_inline)) void row_tile(int type, int R, const uint8_t *row,
+                                                           const unpacked_t *runs,
                                                            const int8_t *xq, const float *xd,
                                                            int64_t K, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
     __m256 p0[TILE], p1[TILE], c0[TILE], c1[TILE];
     for (int m = 0; m < R; m++) p0[m] = p1[m] = c0[m] = c1[m] = _mm256_setzero_ps();
+#define RUN(j) (runs ? runs[j] : unpack_run(type, row, j))
     int64_t j = 0;
     for (; j + 1 < nb; j += 2) {
-        run_products(type, R, row, j, xq, xd, K, nb, p0, c0);
-        run_products(type, R, row, j + 1, xq, xd, K, nb, p1, c1);
+        run_products(type, R, RUN(j), j, xq, xd, K, nb, p0, c0);
+        run_products(type, R, RUN(j + 1), j + 1, xq, xd, K, nb, p1, c1);
     }
-    if (j < nb) run_products(type, R, row, j, xq, xd, K, nb, p0, c0);
+    if (j < nb) run_products(type, R, RUN(j), j, xq, xd, K, nb, p0, c0);
+#undef RUN
     for (int m = 0; m < R; m++)
         y[m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(p0[m], p1[m]), _mm256_add_ps(c0[m], c1[m])));
 }
+
+static inline void pack_row(int type, const uint8_t *row, int64_t nb, unpacked_t *out) {
+    for (int64_t j = 0; j < nb; j++) out[j] = unpack_run(type, row, j);
+}
 #endif
 
-/* y[m, n] for M <= MAX_M rows of x against weight rows [n0, n1) of one type. */
+/* y[m, n] for M rows of x against weight rows [n0, n1) of one type. `scratch` (NULL, or room
+ * for the rows' unpacked runs: unpacked_bytes) lets more than one tile of x rows share one
+ * unpacking of each weight run, where each tile would otherwise unpack it again. Either way a
+ * product's arithmetic is the same (the same vectors, summed in the same order): a row's
+ * output does not depend on which rows share the call. */
 static inline __attribute__((always_inline)) void rows_of_type(
     int type, const int8_t *xq, const float *xd, const uint8_t *W, int64_t row_bytes, float *y,
-    int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy) {
+    int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy, void *scratch) {
     const int64_t nb = K / 32;
 #if defined(__AVX2__)
+    const int64_t per_row = (nb + RUNS_PER_UNPACKED - 1) / RUNS_PER_UNPACKED;
+    unpacked_t *runs = M > TILE ? (unpacked_t *)scratch : NULL;
+    if (runs)
+        for (int64_t n = n0; n < n1; n++) pack_row(type, W + n * row_bytes, nb, runs + (n - n0) * per_row);
     /* x tile outside, weight rows inside: a tile's codes (TILE rows) stay in L1 while the
      * task's few weight rows stream past them. */
     for (int64_t m = 0; m < M; m += TILE) {
@@ -339,16 +400,18 @@ static inline __attribute__((always_inline)) void rows_of_type(
         const float *e = xd + m * 16 * nb;
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *row = W + n * row_bytes;
+            const unpacked_t *r = runs ? runs + (n - n0) * per_row : NULL;
             float *out = y + m * ldy + n;
             switch (M - m < TILE ? M - m : TILE) {
-            case 1: row_tile(type, 1, row, q, e, K, out, ldy); break;
-            case 2: row_tile(type, 2, row, q, e, K, out, ldy); break;
-            case 3: row_tile(type, 3, row, q, e, K, out, ldy); break;
-            default: row_tile(type, 4, row, q, e, K, out, ldy); break;
+            case 1: row_tile(type, 1, row, r, q, e, K, out, ldy); break;
+            case 2: row_tile(type, 2, row, r, q, e, K, out, ldy); break;
+            case 3: row_tile(type, 3, row, r, q, e, K, out, ldy); break;
+            default: row_tile(type, 4, row, r, q, e, K, out, ldy); break;
             }
         }
     }
 #else
+    (void)scratch;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W + n * row_bytes;
         float acc[MAX_M] = {0};
@@ -373,8 +436,9 @@ static inline __attribute__((always_inline)) void rows_of_type(
 
 #define TYPE_KERNEL(T)                                                                         \
     static void rows_##T(const int8_t *xq, const float *xd, const uint8_t *W, int64_t rb,      \
-                         float *y, int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy) { \
-        rows_of_type(T, xq, xd, W, rb, y, M, n0, n1, K, ldy);                                   \
+                         float *y, int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy,   \
+                         void *scratch) {                                                       \
+        rows_of_type(T, xq, xd, W, rb, y, M, n0, n1, K, ldy, scratch);                          \
     }
 TYPE_KERNEL(T_Q4_0)
 TYPE_KERNEL(T_Q4_1)
@@ -386,9 +450,34 @@ TYPE_KERNEL(T_Q5_K)
 TYPE_KERNEL(T_Q6_K)
 
 typedef void (*rows_fn)(const int8_t *, const float *, const uint8_t *, int64_t,
-                        float *, int64_t, int64_t, int64_t, int64_t, int64_t);
+                        float *, int64_t, int64_t, int64_t, int64_t, int64_t, void *);
 
 enum { CHUNK = 16 }; /* weight rows per task: a thread's rows stay contiguous in memory */
+
+/* Rows of x per pass over the weights: with vector kernels as many as keep their codes and
+ * scales (3 bytes per value) within about 384 KiB of L2, so that each weight chunk is unpacked
+ * once per pass and the x rows it meets come from cache; the plain-C loop keeps MAX_M sums. */
+static int64_t rows_per_pass(int64_t K) {
+#if defined(__AVX2__)
+    int64_t rows = (int64_t)(384 << 10) / (3 * K);
+    rows = rows < 16 ? 16 : rows > 256 ? 256 : rows;
+    return rows - rows % TILE;
+#else
+    (void)K;
+    return MAX_M;
+#endif
+}
+
+/* Bytes of a task's unpacked weight runs (CHUNK rows), 0 where nothing is unpacked ahead. */
+static size_t unpacked_bytes(int64_t K) {
+#if defined(__AVX2__)
+    const int64_t nb = K / 32, per_row = (nb + RUNS_PER_UNPACKED - 1) / RUNS_PER_UNPACKED;
+    return sizeof(unpacked_t) * (size_t)(CHUNK * per_row);
+#else
+    (void)K;
+    return 0;
+#endif
+}
 
 static int kernel_for(int type, rows_fn *fn, int64_t *values, int64_t *bytes) {
     switch (type) {
@@ -502,18 +591,39 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
         kvmemo_quantize_q8(row, 1, K, K, xq + m * K, xd + m * 16 * nb);
     }
     free(row);
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-        const int64_t rows = M - m0 < MAX_M ? M - m0 : MAX_M;
+    const int64_t pass = rows_per_pass(K);
+    const size_t scratch_bytes = M > TILE ? unpacked_bytes(K) : 0;
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += pass) {
+        const int64_t rows = M - m0 < pass ? M - m0 : pass;
         const int8_t *q = xq + m0 * K;
         const float *e = xd + m0 * 16 * nb;
-#pragma omp parallel for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t p = 0;
-            while (c >= first_chunk[p + 1]) p++;
-            const int64_t n0 = (c - first_chunk[p]) * CHUNK;
-            const int64_t n1 = n0 + CHUNK < w->N[p] ? n0 + CHUNK : w->N[p];
-            fn[p](q, e, w->W[p], row_bytes[p], y + m0 * ldy + column[p], rows, n0, n1, K, ldy);
+#pragma omp parallel
+        {
+            /* 64-byte aligned: the unpacked runs are vector registers' images */
+            void *scratch = scratch_bytes ? aligned_alloc(64, (scratch_bytes + 63) & ~(size_t)63) : NULL;
+            if (scratch_bytes && !scratch) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < chunks; c++) {
+                if (scratch_bytes && !scratch) continue;
+                int64_t p = 0;
+                while (c >= first_chunk[p + 1]) p++;
+                const int64_t n0 = (c - first_chunk[p]) * CHUNK;
+                const int64_t n1 = n0 + CHUNK < w->N[p] ? n0 + CHUNK : w->N[p];
+                fn[p](q, e, w->W[p], row_bytes[p], y + m0 * ldy + column[p], rows, n0, n1, K, ldy,
+                      scratch);
+            }
+            free(scratch);
         }
+        if (failed) break;
+    }
+    if (failed) {
+        free(xq);
+        free(xd);
+        return 3;
     }
     free(xq);
     free(xd);

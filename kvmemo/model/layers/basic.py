@@ -22,9 +22,7 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 
 
 class FastLayerStep(Protocol):
-    """A decoder layer's forward by other kernels (models/llama_fast.py) for the steps it serves."""
-
-    def serves(self, rows: int) -> bool: ...
+    """A decoder layer's forward by other kernels (models/llama_fast.py), for every step."""
 
     def __call__(self, layer_idx: int, hidden: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor: ...

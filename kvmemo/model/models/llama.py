@@ -23,7 +23,7 @@ from kvmemo.model.layers.basic import (
 from kvmemo.model.layers.greedy_head import GreedyHead
 from kvmemo.model.layers.linear import KernelChoice, Linear
 from kvmemo.model.layers.linear_probe import choose_kernels
-from kvmemo.model.layers.native_linear import DenseCopies, NativeLinear
+from kvmemo.model.layers.native_linear import NativeLinear
 from kvmemo.model.models.llama_layer import DecoderLayer
 
 
@@ -63,9 +63,6 @@ class LlamaForCausalLM(nn.Module):
         # Native weights: parameter name -> its row blocks at their GGUF bits (the parameter
         # itself is an empty placeholder); empty when the weights were dequantized at load.
         self.native_parts: dict[str, list[QuantizedWeight | torch.Tensor]] = {}
-        # Native weights' dense copies for batched steps and their budget (llama_fast.prepare
-        # sets it from the engine's dense_cache_memory; None: no copies are made).
-        self.dense_copies: DenseCopies | None = None
 
     def _prepare_native_linears(self) -> KernelChoice:
         """Every projection reads its GGUF blocks through the quantized kernel (NativeLinear);
@@ -75,7 +72,7 @@ class LlamaForCausalLM(nn.Module):
             parts = self.native_parts.get(name)
             if parts is None:  # a weight the file holds in F32 throughout
                 parts = [self.get_parameter(name).detach().float()]
-            return NativeLinear(parts, bias, self.dense_copies)
+            return NativeLinear(parts, bias)
 
         for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
             p = f"layers.{i}."
@@ -85,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.down = native(p + "mlp.down_proj.weight")  # type: ignore[assignment]
         head = "embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.head = native(head)
-        self.linear_choice = KernelChoice()  # recorded; NativeLinear picks per call
+        self.linear_choice = KernelChoice()  # recorded; NativeLinear has one path
         return self.linear_choice
 
     def make_layer(self, config: ModelArchConfig, index: int) -> nn.Module:
@@ -270,12 +267,6 @@ class LlamaForCausalLM(nn.Module):
         """Per layer (cos, sin), each [T, 1, D/2]; one table shared by all layers here."""
         return [self.rotary.cos_sin(positions, dtype)] * len(self.layers)
 
-    def begin_step(self, num_sequences: int) -> None:
-        """The next forward serves num_sequences sequences: native weights keep dense copies
-        for a step of several (DenseCopies)."""
-        if self.dense_copies is not None:
-            self.dense_copies.sequences = num_sequences
-
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
@@ -314,14 +305,12 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of weights held: parameters (tied ones once, released ones not at all), the
-        kernels' packed copies and native weights' dense copies (counted at fp32)."""
+        kernels' packed copies."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         total += sum(
             p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size()
             for parts in self.native_parts.values() for p in parts
         )
-        if self.dense_copies is not None:
-            total += self.dense_copies.used
         if self.linear_choice is not None and not self.native_parts:
             total += sum(lin.packed_bytes for _, linears in self._projections() for lin in linears)
             if self.lm_head.weight is self.embed_tokens.weight:

@@ -1,6 +1,6 @@
 """The Llama family's fast paths, bound from outside the model class: a dense model's forward with
-its small ops in C (DenseForward), and native weights' decode step in two int8-kernel calls
-(FusedDecodeStep). `prepare(model)` binds the model's kernels, then whichever path fits.
+its small ops in C (DenseForward), and native weights' layer step in two int8-kernel calls
+(FusedLayerStep). `prepare(model)` binds the model's kernels, then whichever path fits.
 
 Invariant: each computes what LlamaForCausalLM.forward computes through DecoderLayer.forward,
 with the same Linears and attention, only in another order of float operations; a model no path
@@ -18,13 +18,14 @@ quarter of a 32-sequence decode step of SmolLM2 in bf16; in a prefill they are m
 casts (W1 in bf16: its two prefill steps 10-13% faster with them in C). Only plain DecoderLayers
 (no per-head norms, SiLU, RMSNorm with fp32 weights) in fp32 or bf16 on CPU take it (fits).
 
-FusedDecodeStep: each small op is folded into the int8 kernel call next to it (quant_int8.Fused):
+FusedLayerStep: each small op is folded into the int8 kernel call next to it (quant_int8.Fused):
 norm, q/k/v and RoPE in one call; attention; o_proj with the residual add, the norm, gate/up,
 silu * up and down with the second add in the other. Why: a one-token decode step on a 135M model
-spends as long in small tensor ops as in reading the weights. Only layers whose weights are all
-int8-kernel types, without biases, per-head norms or a non-SiLU activation, in fp32, take it
-(fits), and only for steps every projection serves on the kernels (serves: up to 12 rows, or 32
-when no dense copy can be made).
+spends as long in small tensor ops as in reading the weights. It serves every step, prefill
+chunks too, so that a token's arithmetic is the same whatever step computes it (a generated
+token's K/V reused as a later prompt's prefix equals what that prompt would compute). Only layers
+whose weights are all int8-kernel types, without biases, per-head norms or a non-SiLU activation,
+in fp32, take it (fits).
 """
 
 from __future__ import annotations
@@ -38,22 +39,18 @@ from kvmemo.model.kernels.layer_ops import DTYPE_CODES, MAX_COLS, add_rmsnorm, r
 from kvmemo.model.kernels.quant_int8 import Fused, Int8Weights, mlp_block
 from kvmemo.model.layers.basic import AttentionFn, RMSNorm
 from kvmemo.model.layers.linear import KernelChoice
-from kvmemo.model.layers.native_linear import DenseCopies, NativeLinear
+from kvmemo.model.layers.native_linear import NativeLinear
 from kvmemo.model.models.llama import LlamaForCausalLM
 from kvmemo.model.models.llama_layer import DecoderLayer
 from kvmemo.model.models.llava import LlavaForConditionalGeneration
 
 
 def prepare(model: LlamaForCausalLM | LlavaForConditionalGeneration,
-            choice: KernelChoice | None = None,
-            dense_cache_bytes: int | None = None) -> KernelChoice:
+            choice: KernelChoice | None = None) -> KernelChoice:
     """Binds the model's projections to their kernels (`choice`, else the fastest here, probed
-    once per machine), then the fast paths that fit. dense_cache_bytes: native weights' budget
-    for dense copies in batched steps (None keeps the model's). Returns the kernel choice."""
+    once per machine), then the fast paths that fit. Returns the kernel choice."""
     language_model = (model.language_model if isinstance(model, LlavaForConditionalGeneration)
                       else model)
-    if dense_cache_bytes is not None:
-        language_model.dense_copies = DenseCopies(dense_cache_bytes)
     choice = model.prepare_linears(choice)
     bind_fast_paths(language_model)
     return choice
@@ -61,10 +58,10 @@ def prepare(model: LlamaForCausalLM | LlavaForConditionalGeneration,
 
 def bind_fast_paths(model: LlamaForCausalLM) -> None:
     """After prepare_linears: DenseForward over the whole stack where it fits (dense weights),
-    else a FusedDecodeStep on each layer it fits (native weights)."""
+    else a FusedLayerStep on each layer it fits (native weights)."""
     layers = cast("list[DecoderLayer]", list(model.layers))
     for layer in layers:
-        layer.fused_step = FusedDecodeStep(layer) if FusedDecodeStep.fits(layer) else None
+        layer.fused_step = FusedLayerStep(layer) if FusedLayerStep.fits(layer) else None
     model.dense_forward = DenseForward(model) if DenseForward.fits(model) else None
 
 
@@ -131,7 +128,7 @@ class DenseForward:
         return add_rmsnorm(stream, pending, self.final_norm, self.final_eps, torch.float32)
 
 
-class FusedDecodeStep:
+class FusedLayerStep:
     """norm -> q/k/v (+ RoPE) | attention | o_proj (+ residual) | norm -> gate/up | silu * up ->
     down (+ residual), for one DecoderLayer."""
 
@@ -139,20 +136,18 @@ class FusedDecodeStep:
         calls = [_single_call(lin) for lin in (layer.qkv, layer.o, layer.mlp.gate_up,
                                                  layer.mlp.down)]
         if any(call is None for call in calls):
-            raise ValueError("FusedDecodeStep needs every projection in one int8 call (fits())")
+            raise ValueError("FusedLayerStep needs every projection in one int8 call (fits())")
         self.qkv, self.o, self.gate_up, self.down = cast("list[Int8Weights]", calls)
         norms = cast("list[RMSNorm]", [layer.input_layernorm, layer.post_attention_layernorm])
         self.input_norm: torch.Tensor = norms[0].weight.detach()
         self.mlp_norm: torch.Tensor = norms[1].weight.detach()
         self.input_eps, self.mlp_eps = float(norms[0].eps), float(norms[1].eps)
-        self.linears = cast("list[NativeLinear]", [layer.qkv, layer.o, layer.mlp.gate_up,
-                                                   layer.mlp.down])
         hidden = self.o.num_out  # the shapes the C block assumes, checked once here
         gate, up = (w.shape[0] for w in self.gate_up.weights)
         if not (gate == up == self.down.num_cols and self.gate_up.num_cols == hidden
                 == self.down.num_out == self.qkv.num_cols == self.input_norm.numel()
                 == self.mlp_norm.numel() and self.o.num_cols == layer.q_size):
-            raise ValueError("FusedDecodeStep: the layer's projection shapes do not chain")
+            raise ValueError("FusedLayerStep: the layer's projection shapes do not chain")
         self.input_norm, self.mlp_norm = self.input_norm.contiguous(), self.mlp_norm.contiguous()
         self.num_heads, self.num_kv_heads = layer.num_heads, layer.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = layer.head_dim, layer.q_size, layer.kv_size
@@ -174,11 +169,6 @@ class FusedDecodeStep:
             and len(_single_call(mlp.gate_up).weights) == 2  # type: ignore[union-attr]
         )
 
-    def serves(self, rows: int) -> bool:
-        """Every projection takes `rows` on the kernels (batched steps with dense copies at hand
-        go through DecoderLayer.forward's GEMMs instead)."""
-        return all(linear.kernel_serves(rows) for linear in self.linears)
-
     def __call__(self, layer_idx: int, hidden: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -196,7 +186,7 @@ class FusedDecodeStep:
 
 
 def _single_call(linear: object) -> Int8Weights | None:
-    """The one int8-kernel call a NativeLinear's few-row product makes, if that is all it does."""
+    """The one int8-kernel call a NativeLinear's product makes, if that is all it does."""
     if not isinstance(linear, NativeLinear):
         return None
     return linear.single_int8_call()

@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
     def linear_weights(self) -> list[torch.Tensor]:
         return [self.qkv_proj.weight, self.o_proj.weight, *self.mlp.linear_weights()]
 
-    # Native weights' decode step in two kernel calls (llama_fast.FusedDecodeStep), bound from
+    # Native weights' layer step in two kernel calls (llama_fast.FusedLayerStep), bound from
     # outside when it fits.
     fused_step: FastLayerStep | None = None
 
@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        if self.fused_step is not None and self.fused_step.serves(hidden.shape[0]):
+        if self.fused_step is not None:
             return self.fused_step(layer_idx, hidden, cos, sin, attention)
         out = self.attention_block(layer_idx, self.normed_input(hidden), cos, sin, attention)
         return self.finish_block(hidden, out)

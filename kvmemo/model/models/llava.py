@@ -164,9 +164,6 @@ class LlavaForConditionalGeneration(nn.Module):
     def embed_tokens(self) -> nn.Embedding:
         return self.language_model.embed_tokens
 
-    def begin_step(self, num_sequences: int) -> None:
-        self.language_model.begin_step(num_sequences)
-
     def forward(
         self,
         input_ids: torch.Tensor,

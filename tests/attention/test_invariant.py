@@ -1,0 +1,67 @@
+"""Batch-invariant attention (attention/invariant.py): a query's output is the same bits however
+the step around it is made: its prompt in one pass or in chunks, other sequences beside it or
+none, a decode step or the last row of a prefill, fp32, bf16 or fp8 pages. The values are
+checked against dense attention in test_backends.py; here only the bits' independence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmemo.attention.backend import PagedAttentionBackend
+from kvmemo.attention.cache import FP8_DTYPE
+from kvmemo.attention.kernels.paged_decode import load_decode_kernel
+from kvmemo.attention.metadata import AttentionMetadata
+from tests.attention.paged_testing import HEAD_DIM, make_batch
+
+pytestmark = pytest.mark.skipif(load_decode_kernel() is None, reason="no C compiler")
+
+SCALE = HEAD_DIM**-0.5
+PROMPT = 70
+
+
+def _run(batch, chunks: list[int], neighbour: bool) -> torch.Tensor:
+    """Sequence 0's 70 queries fed in `chunks` (fresh pages each time); with `neighbour`,
+    sequence 1 (40 cached tokens) decodes one token beside each chunk. Returns [70, Hq, D]."""
+    block_size = batch.metadata.block_size
+    tables = [batch.metadata.block_tables[s].tolist() for s in range(2)]
+    backend, outs, start = PagedAttentionBackend(SCALE), [], 0
+    for step, n in enumerate(chunks):
+        seqs = [0, 1] if neighbour else [0]
+        md = AttentionMetadata.build(
+            block_tables=[tables[s] for s in seqs],
+            num_computed_tokens=[start, 40 + step][: len(seqs)], query_lens=[n, 1][: len(seqs)],
+            block_size=block_size, num_cache_blocks=batch.cache.num_blocks,
+        )
+        rows = list(range(start, start + n)) + ([PROMPT + step] if neighbour else [])
+        k = torch.cat([batch.full_k[0][start:start + n]]
+                      + ([batch.full_k[1][40 + step:41 + step]] if neighbour else []))
+        v = torch.cat([batch.full_v[0][start:start + n]]
+                      + ([batch.full_v[1][40 + step:41 + step]] if neighbour else []))
+        outs.append(backend.forward(0, batch.q[rows].contiguous(), k, v, batch.cache, md)[:n])
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8_DTYPE], ids=str)
+def test_a_query_is_the_same_bits_in_any_step(dtype) -> None:
+    batch = make_batch(cached=[0, 40], new=[PROMPT, 6], group=3, block_size=8, dtype=dtype)
+    whole = _run(batch, [PROMPT], neighbour=False)
+    for chunks, neighbour in (([PROMPT], True), ([23, 1, 16, 9, 21], True),
+                              ([1] * PROMPT, False), ([64, 6], False)):
+        got = _run(batch, chunks, neighbour)
+        assert torch.equal(got, whole), f"chunks {chunks}, neighbour {neighbour}"
+
+
+def test_the_split_over_threads_is_off() -> None:
+    """A lone long sequence decoding: the flash-decoding split (parts merged by log-sum-exp) would
+    serve it in the faster mode; the invariant one gives the bits of the same query in a batch."""
+    batch = make_batch(cached=[600, 3, 9, 30], new=[1, 1, 1, 1], group=3, block_size=16)
+    together = PagedAttentionBackend(SCALE).forward(
+        0, batch.q, batch.new_k, batch.new_v, batch.cache, batch.metadata)
+    alone_md = AttentionMetadata.build(
+        block_tables=[batch.metadata.block_tables[0].tolist()], num_computed_tokens=[600],
+        query_lens=[1], block_size=16, num_cache_blocks=batch.cache.num_blocks)
+    alone = PagedAttentionBackend(SCALE).forward(
+        0, batch.q[:1], batch.new_k[:1], batch.new_v[:1], batch.cache, alone_md)
+    assert torch.equal(alone, together[:1])

@@ -7,7 +7,9 @@ tokens over a 896-token cached prefix. SmolLM2 shapes: 9 q heads, 3 kv heads, he
 16, fp32 compute. Block tables are a random permutation of the pool (the worst case: no two
 consecutive pages adjacent). Paged = PagedAttentionBackend.forward, i.e. the K/V write plus
 attention, with the step's plan built once as in the engine (decode: the compiled CPU kernel;
-paged_fp32_gather: the torch fallback); dense = F.scaled_dot_product_attention alone. Timings are interleaved A/B/... in one process; medians reported. Writes
+paged_fp32_gather: the torch fallback), in the faster mode (batch_invariant=False: flash prefill,
+keys split over threads); paged_fp32_invariant: the engine's default, every query row alone
+through the decode kernel (attention/invariant.py); dense = F.scaled_dot_product_attention alone. Timings are interleaved A/B/... in one process; medians reported. Writes
 benchmarks/results/attention.json.
 """
 
@@ -51,9 +53,11 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dic
 
 
 def paged_case(
-    num_seqs: int, cached: int, new: int, kv_dtype: torch.dtype, seed: int = 0
+    num_seqs: int, cached: int, new: int, kv_dtype: torch.dtype, seed: int = 0,
+    invariant: bool = False,
 ) -> tuple[PagedAttentionBackend, PagedKVCache, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A pool whose pages hold `cached` random tokens per sequence, block tables shuffled."""
+    """A pool whose pages hold `cached` random tokens per sequence, block tables shuffled; the
+    backend in the faster (variant) mode unless `invariant` (the engine's default)."""
     torch.manual_seed(seed)
     blocks_per_seq = -(-(cached + new) // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq + 8
@@ -75,7 +79,7 @@ def paged_case(
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    return PagedAttentionBackend(SCALE, batch_invariant=False), cache, metadata, q, k, v
+    return PagedAttentionBackend(SCALE, batch_invariant=invariant), cache, metadata, q, k, v
 
 
 def decode_bench(num_seqs: int, context: int, repeats: int) -> dict:
@@ -92,6 +96,8 @@ def decode_bench(num_seqs: int, context: int, repeats: int) -> dict:
                         ("paged_fp8_kv", torch.float8_e4m3fn)):
         backend, cache, md, q, k, v = paged_case(num_seqs, context - 1, 1, dtype)
         fns[name] = (lambda b=backend, c=cache, m=md, q=q, k=k, v=v: b.forward(0, q, k, v, c, m))
+    backend, cache, md, q, k, v = paged_case(num_seqs, context - 1, 1, torch.float32, invariant=True)
+    fns["paged_fp32_invariant"] = lambda: backend.forward(0, q, k, v, cache, md)
     backend, cache, md, q, k, v = paged_case(num_seqs, context - 1, 1, torch.float32)
     fns["paged_fp32_gather"] = without_kernel(lambda: backend.forward(0, q, k, v, cache, md))
     fns["previous_token_major"] = previous_decode(num_seqs, context)
@@ -149,6 +155,8 @@ def prefill_bench(num_seqs: int, cached: int, new: int, repeats: int) -> dict:
     for name, dtype in (("paged_fp32", torch.float32), ("paged_fp8_kv", torch.float8_e4m3fn)):
         backend, cache, md, q, k, v = paged_case(num_seqs, cached, new, dtype)
         fns[name] = (lambda b=backend, c=cache, m=md, q=q, k=k, v=v: b.forward(0, q, k, v, c, m))
+    backend, cache, md, q, k, v = paged_case(num_seqs, cached, new, torch.float32, invariant=True)
+    fns["paged_fp32_invariant"] = lambda: backend.forward(0, q, k, v, cache, md)
     ms, min_ms = interleaved(fns, repeats)
     return {"shape": f"{num_seqs} seqs x ({cached} cached + {new} new), Hq={NUM_HEADS}, Hkv={NUM_KV_HEADS}, D={HEAD_DIM}",
             "ms": ms, "min_ms": min_ms, "paged_over_dense": round(ms["paged_fp32"] / ms["dense_sdpa_gqa"], 3),

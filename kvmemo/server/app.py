@@ -1,10 +1,10 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
+"""The HTTP server: OpenAI's routes and Anthropic's Messages route over an AsyncEngine.
 
-Invariant: every error leaves as OpenAI's {"error": {...}} JSON (bad input 400, bad key 401,
-full queue 503), and a request whose client goes away is aborted, so its KV blocks are freed.
-This module only wires: the serving objects (serving_completion, serving_chat) handle the
-generation routes, errors.py the error bodies, kv_routes.py the /kv routes, token_routes.py
-/tokenize, /detokenize and /version.
+Invariant: every error leaves as OpenAI's {"error": {...}} JSON (Anthropic's shape on
+/v1/messages; bad input 400, bad key 401, full queue 503), and a request whose client goes away
+is aborted, so its KV blocks are freed. This module only wires: the serving objects
+(serving_completion, serving_chat, serving_messages) handle the generation routes, errors.py the
+error bodies, kv_routes.py the /kv routes, token_routes.py /tokenize, /detokenize and /version.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvmemo.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvmemo.server.errors import APIError, add_error_handlers
 from kvmemo.server.kv_routes import add_kv_routes
 from kvmemo.server.metrics import ServerMetrics
@@ -25,6 +26,7 @@ from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest, Mod
 from kvmemo.server.serving_chat import ServingChat
 from kvmemo.server.serving_common import CLIENT_CLOSED
 from kvmemo.server.serving_completion import ServingCompletion
+from kvmemo.server.serving_messages import ServingMessages
 from kvmemo.server.token_routes import add_token_routes
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 _ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/health",
     "/metrics",
@@ -69,6 +73,7 @@ def create_app(
     add_error_handlers(app)
     completion = ServingCompletion(engine, metrics, model_name)
     chat = ServingChat(engine, metrics, model_name)
+    messages = ServingMessages(engine, metrics, model_name)
     auth = [Depends(_key_check(api_key))]
 
     @app.post("/v1/completions", dependencies=auth)
@@ -78,6 +83,14 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
+
+    @app.post("/v1/messages", dependencies=auth)
+    async def create_message(body: MessagesRequest, request: Request):
+        return await messages.create_message(body, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_message_tokens(body: CountTokensRequest):
+        return await messages.count_tokens(body)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
@@ -110,18 +123,19 @@ def create_app(
 
 
 def _key_check(api_key: str | None) -> Callable[[Request], None]:
-    """The dependency guarding the keyed routes: 401 unless `Authorization: Bearer <api_key>`."""
+    """The dependency guarding the keyed routes: 401 unless `Authorization: Bearer <api_key>`
+    or (Anthropic's header) `x-api-key: <api_key>`."""
 
     def check_key(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(
                 401,
-                "missing or invalid API key (send Authorization: Bearer <key>)",
+                "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)",
                 "authentication_error",
                 code="invalid_api_key",
             )

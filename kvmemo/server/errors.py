@@ -1,4 +1,6 @@
-"""Every error the server answers, in OpenAI's body: {"error": {message, type, param, code}}.
+"""Every error the server answers, in OpenAI's body: {"error": {message, type, param, code}};
+on the Anthropic routes (/v1/messages...) in Anthropic's: {"type": "error", "error": {type,
+message}}, the field named in the message.
 
 Invariant: bad input is 400 with `param` naming the field (an InputError carries it, so no
 message is parsed), a bad key 401, a full queue or a dead engine 503, anything unexpected 500
@@ -48,9 +50,28 @@ def error_body(
 
 
 def error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+    request: Request | None = None,
 ) -> JSONResponse:
+    if request is not None and request.url.path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error_body(status, message, type_, param), status_code=status)
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+# OpenAI-style types kvmemo raises -> Anthropic's (the others share a name)
+_ANTHROPIC_TYPES = {"server_overloaded": "overloaded_error", "server_error": "api_error",
+                    "conflict_error": "invalid_request_error"}
+
+
+def anthropic_error_body(status: int, message: str, type_: str,
+                         param: str | None = None) -> dict[str, object]:
+    kind = _ANTHROPIC_TYPES.get(type_, type_)
+    if status == 404:
+        kind = "not_found_error"
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -58,7 +79,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param, e.code)
+        return error_response(e.status, e.message, e.type, e.param, e.code, request=request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -74,27 +95,32 @@ def add_error_handlers(app: FastAPI) -> None:
             message = "prompt must be a non-empty string or a list of token ids"
         else:
             message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
-        return error_response(400, message, "invalid_request_error", param)
+        return error_response(400, message, "invalid_request_error", param, request=request)
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, e: ValueError):
         # kvmemo.errors.InputError (sampling params, prompts, messages, lengths, unsupported
         # fields) names its field; any other ValueError has none.
-        return error_response(400, str(e), "invalid_request_error", getattr(e, "param", None))
+        return error_response(400, str(e), "invalid_request_error", getattr(e, "param", None),
+                              request=request)
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(request: Request, e: QueueFullError):
-        return error_response(503, str(e), "server_overloaded", code="queue_full")
+        return error_response(503, str(e), "server_overloaded", code="queue_full",
+                              request=request)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, e: EngineDeadError):
-        return error_response(503, str(e), "server_error", code="engine_unavailable")
+        return error_response(503, str(e), "server_error", code="engine_unavailable",
+                              request=request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+        return error_response(e.status_code, str(e.detail), "invalid_request_error",
+                              request=request)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         logger.exception("internal error")
-        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error",
+                              request=request)

@@ -20,6 +20,7 @@ class Choice:
 
     index: int  # which of the request's n samples
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
     num_logprobs_sent: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -80,6 +81,7 @@ class Job:
         choice.received.append(delta)
         choice.token_ids.extend(completion.token_ids)
         choice.finish_reason = completion.finish_reason
+        choice.stop_reason = completion.stop_reason
         if completion.logprobs is not None:
             choice.logprobs.extend(completion.logprobs)
         self.token_texts.update(item.token_texts)

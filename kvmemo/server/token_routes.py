@@ -17,8 +17,9 @@ from kvmemo.errors import InputError
 from kvmemo.intake.chat_options import ChatOptions
 from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.tools import ChatTools, render_tools
+from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
 from kvmemo.server.chat_input import engine_message as _engine_message
-from kvmemo.server.protocol import ChatMessage
+from kvmemo.server.protocol import ChatCompletionRequest, ChatMessage
 from kvmemo.server.serving_common import check_model
 
 if TYPE_CHECKING:
@@ -51,6 +52,21 @@ class DetokenizeRequest(BaseModel):
     tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=0)]
 
 
+def render_chat(engine: Engine, messages: list[dict[str, Any]], options: ChatOptions,
+                tools: ChatTools) -> list[int]:
+    """A chat's prompt token ids as the chat route computes them (tools rendered by intake.tools).
+    On the engine thread."""
+    rendering = render_tools(messages, options, tools, engine.processor.template_for(options))
+    inputs = PromptInput(messages=rendering.messages, chat_options=rendering.options)
+    return engine.processor.process(inputs).token_ids
+
+
+async def chat_token_ids(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids the chat route would compute for `body`."""
+    messages, options, tools = engine_messages(body), chat_options(body), chat_tools(body)
+    return await engine.call(lambda e: render_chat(e, messages, options, tools))
+
+
 def add_token_routes(
     app: FastAPI, engine: AsyncEngine, model_name: str, auth: list[Any]
 ) -> None:
@@ -75,9 +91,7 @@ def add_token_routes(
             messages = [_engine_message(i, m) for i, m in enumerate(body.messages or [])]
             tools = ChatTools(body.tools, body.tool_choice,
                               parallel_tool_calls=body.parallel_tool_calls is not False)
-            rendering = render_tools(messages, options, tools, e.processor.template_for(options))
-            inputs = PromptInput(messages=rendering.messages, chat_options=rendering.options)
-            return e.processor.process(inputs).token_ids
+            return render_chat(e, messages, options, tools)
 
         tokens = await engine.call(run)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,

@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the two POST routes from the server's own OpenAPI schema: no 5xx.
+"""Property-based fuzzing of the three generation routes (OpenAI's two, Anthropic's Messages)
+from the server's own OpenAPI schema: no 5xx.
 
 The schema is narrowed before fuzzing (max_tokens <= 4, n <= 2, max_tokens required for chat)
 so each generated request runs in well under a second on a small CPU; prompts are
@@ -26,7 +27,7 @@ def server():
 
 def _narrowed_schema(raw: dict, model: str) -> dict:
     schemas = raw["components"]["schemas"]
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest"):
         # Unknown fields and models are 400s anyway; keep positive examples on the model path.
         schemas[name]["additionalProperties"] = False
         props = schemas[name]["properties"]
@@ -46,13 +47,14 @@ def _narrowed_schema(raw: dict, model: str) -> dict:
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
                 props[field] = {"type": "integer", "minimum": 1, "maximum": 4}
-        props["n"] = {"type": "integer", "minimum": 1, "maximum": 2}
+        if "n" in props:
+            props["n"] = {"type": "integer", "minimum": 1, "maximum": 2}
     # Chat's max_tokens default is "the rest of the context": too slow for fuzzing.
     schemas["ChatCompletionRequest"].setdefault("required", []).append("max_tokens")
     return raw
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_no_server_errors(server, path, mode):
     from hypothesis import HealthCheck, given, settings

@@ -1,0 +1,169 @@
+"""POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens.
+
+A Messages request is translated into the chat route's request (anthropic_protocol.py) and runs
+through the chat route's whole path (intake, tools, the engine, tool-call parsing); only the
+answer is Anthropic's: a `message` with text and tool_use content blocks, or its event stream
+(message_start, content_block_start/delta/stop, ping, message_delta, message_stop).
+
+Invariant: usage adds up as Anthropic's does: input_tokens + cache_read_input_tokens +
+cache_creation_input_tokens = the prompt's tokens. cache_read_input_tokens are the prompt tokens
+whose KV came from the cache (any prefix, marked or not: kvmemo caches every full block);
+cache_creation_input_tokens, when the request has a cache_control breakpoint, are the prompt's
+tokens in full blocks that were computed now (what the next request can read), else 0. A
+reply with tool calls streams its blocks when it has ended (the calls are parsed then).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvmemo.engine import EngineDeadError
+from kvmemo.server.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    breakpoints,
+    chat_request,
+)
+from kvmemo.server.job import Choice, Job
+from kvmemo.server.serving_chat import ServingChat
+from kvmemo.server.token_routes import chat_token_ids
+
+
+class ServingMessages(ServingChat):
+    object_name = "message"
+    chunk_object_name = "message"
+    id_prefix = ""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        # request id -> its cache_control breakpoint count, until its answer is built
+        self._marks: dict[str, int] = {}
+
+    def _marks_of(self, job: Job) -> int:
+        return self._marks.get(job.name or "", 0)
+
+    async def create_message(self, body: MessagesRequest, request: Request) -> Response:
+        marks = breakpoints(body)
+        chat = chat_request(body)
+        chat.request_id = "msg_" + uuid.uuid4().hex[:24]
+        self._marks[chat.request_id] = marks.count
+        try:
+            return await self.create(chat, request)
+        finally:
+            if not body.stream:  # a stream's events still need it: dropped when it ends
+                self._marks.pop(chat.request_id, None)
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        breakpoints(body)
+        chat = chat_request(body)
+        return {"input_tokens": len(await chat_token_ids(self.engine, chat))}
+
+    # ---- the answer ------------------------------------------------------------------------
+
+    def usage_json(self, job: Job) -> dict[str, int]:
+        prompt, cached = job.num_prompt_tokens, job.num_cached_tokens
+        created = 0
+        if self._marks_of(job):
+            block = self.engine.kv_info().block_size
+            created = max(0, prompt // block * block - cached)
+        return {"input_tokens": prompt - cached - created, "cache_read_input_tokens": cached,
+                "cache_creation_input_tokens": created,
+                "output_tokens": sum(c.num_tokens for c in job.choices)}
+
+    def content_blocks(self, job: Job, choice: Choice) -> list[dict[str, Any]]:
+        message = self.choice_fields(job, choice)["message"]
+        blocks: list[dict[str, Any]] = []
+        if message.get("content"):
+            blocks.append({"type": "text", "text": message["content"]})
+        for call in message.get("tool_calls") or ():
+            blocks.append({"type": "tool_use", "id": call["id"],
+                           "name": call["function"]["name"],
+                           "input": json.loads(call["function"]["arguments"] or "{}")})
+        return blocks
+
+    def stop_fields(self, job: Job, choice: Choice) -> dict[str, Any]:
+        reason = self.finish_reason(job, choice)
+        if reason == "tool_calls":
+            return {"stop_reason": "tool_use", "stop_sequence": None}
+        if reason == "length":
+            return {"stop_reason": "max_tokens", "stop_sequence": None}
+        if isinstance(choice.stop_reason, str):
+            return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
+        return {"stop_reason": "end_turn", "stop_sequence": None}
+
+    def message_json(self, job: Job, content: list[dict[str, Any]],
+                     stop: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.response_id(job), "type": "message", "role": "assistant",
+                "model": self.model_name, "content": content, **stop,
+                "usage": self.usage_json(job)}
+
+    def full_response(self, job: Job) -> dict[str, Any]:
+        choice = job.choices[0]
+        return self.message_json(job, self.content_blocks(job, choice),
+                                 self.stop_fields(job, choice))
+
+    async def stream_events(
+        self, job: Job, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
+        def event(kind: str, **data: Any) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        choice = job.choices[0]
+        started = text_open = False
+        index = 0  # of the next content block
+        try:
+            async for item in job.stream:
+                _, delta = job.update(item)
+                if not started:
+                    started = True
+                    opening = self.message_json(job, [], {"stop_reason": None,
+                                                          "stop_sequence": None})
+                    opening["usage"]["output_tokens"] = 0
+                    yield event("message_start", message=opening)
+                    yield event("ping")
+                if job.tool_replies is not None:
+                    continue  # a reply that may hold tool calls: its blocks when it ends
+                if delta:
+                    if not text_open:
+                        text_open = True
+                        yield event("content_block_start", index=index,
+                                    content_block={"type": "text", "text": ""})
+                    yield event("content_block_delta", index=index,
+                                delta={"type": "text_delta", "text": delta})
+            if text_open:
+                yield event("content_block_stop", index=index)
+                index += 1
+            if job.tool_replies is not None:
+                for block in self.content_blocks(job, choice):
+                    yield from_block(event, index, block)
+                    index += 1
+            usage = self.usage_json(job)
+            yield event("message_delta", delta=self.stop_fields(job, choice),
+                        usage={"output_tokens": usage["output_tokens"]})
+            yield event("message_stop")
+        except EngineDeadError as e:
+            yield event("error", error={"type": "api_error", "message": str(e)})
+        finally:
+            job.stream.abort()
+            self.record(job)
+            self._marks.pop(job.name or "", None)
+
+
+def from_block(event: Callable[..., str], index: int, block: dict[str, Any]) -> str:
+    """A finished content block as its three events."""
+    start: dict[str, Any]
+    if block["type"] == "text":
+        start = {"type": "text", "text": ""}
+        delta = {"type": "text_delta", "text": block["text"]}
+    else:
+        start = {**block, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+    return (event("content_block_start", index=index, content_block=start)
+            + event("content_block_delta", index=index, delta=delta)
+            + event("content_block_stop", index=index))

@@ -1,4 +1,5 @@
-"""PromptHasher: an OpenAI request body -> the block hashes a replica will give its prompt.
+"""PromptHasher: a request body (OpenAI's completions or chat, Anthropic's Messages) -> the block
+hashes a replica will give its prompt.
 
 Invariant: tokenization (tokenizer, chat template and its options, message normalisation, tools)
 and hashing (RequestHasher from the replicas' namespace root, block size and algorithm,
@@ -15,6 +16,7 @@ from kvmemo.intake.processor import InputProcessor
 from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.intake.tools import render_tools
 from kvmemo.kv.hashing import BlockHash, RequestHasher
+from kvmemo.server.anthropic_protocol import MessagesRequest, chat_request
 from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
 from kvmemo.server.protocol import ChatCompletionRequest
 
@@ -65,16 +67,22 @@ class PromptHasher:
         """The prompt tokens the replica will see, or None when the body is not one it accepts
         (the replica then answers with the error)."""
         try:
-            if path.endswith("/chat/completions"):
-                if _has_images(body["messages"]):
+            chat: ChatCompletionRequest | None = None
+            if path.endswith("/messages"):  # Anthropic's, translated as its route does
+                chat = chat_request(MessagesRequest.model_validate(body))
+            elif path.endswith("/chat/completions"):
+                chat = ChatCompletionRequest.model_validate(body)
+            if chat is not None:
+                messages = engine_messages(chat)
+                if _has_images(messages):
                     # Image blocks hash with the image's content, which the router does not
                     # compute: no prediction, so the prompt goes to the least loaded replica.
                     return None
                 # The chat route's reading of the body and its tool rendering (intake.tools):
                 # a request with tools or chat options predicts the replica's tokens too.
-                request = ChatCompletionRequest.model_validate(body)
+                request = chat
                 options = chat_options(request)
-                rendering = render_tools(engine_messages(request), options, chat_tools(request),
+                rendering = render_tools(messages, options, chat_tools(request),
                                          self.processor.template_for(options))
                 inputs = PromptInput(messages=rendering.messages, chat_options=rendering.options,
                                      documents=request.documents)

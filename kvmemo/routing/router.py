@@ -317,6 +317,14 @@ def create_router_app(router: Router) -> FastAPI:
     async def chat_completions(request: Request):
         return await router.proxy(request, "/v1/chat/completions")
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await router.proxy(request, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request):
+        return await router.proxy(request, "/v1/messages/count_tokens")
+
     @app.get("/v1/models")
     async def models(request: Request):
         for replica in router.replicas:

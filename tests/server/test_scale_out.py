@@ -139,11 +139,11 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-@pytest.mark.parametrize("kind", ["completion", "chat", "chat_tools"])
+@pytest.mark.parametrize("kind", ["completion", "chat", "chat_tools", "messages_tools"])
 def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenizer, kind):
     """The router's PromptHasher (tokenizer only + /kv/info) against the replica's own block map;
     a chat request with tools, a tool choice and chat options too (its tools are rendered into
-    the prompt by the same code on both sides)."""
+    the prompt by the same code on both sides), and an Anthropic Messages request with tools."""
     from kvmemo.kv.hashing import BlockHash
     from kvmemo.routing.prompt_hasher import PromptHasher
 
@@ -161,6 +161,16 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenize
         if kind == "chat_tools":
             body.update(tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False,
                         chat_template_kwargs={"enable_thinking": False})
+    elif kind == "messages_tools":
+        function = WEATHER_TOOL["function"]
+        path, body = "/v1/messages", {
+            "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
+            "tools": [{"name": function["name"], "description": function["description"],
+                       "input_schema": function["parameters"]}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "max_tokens": 2, "temperature": 0,
+        }
     else:
         path, body = "/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0}
     with a.http() as client:
@@ -175,7 +185,7 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenize
     )
     hashes = hasher.block_hashes(path, body)
     assert len(hashes) >= 5 and set(hashes) <= held
-    if kind == "chat_tools":  # the tools are in the predicted prompt, not left out
+    if kind.endswith("_tools"):  # the tools are in the predicted prompt, not left out
         plain = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
         assert hasher.block_hashes(path, plain) != hashes
     salted = hasher.block_hashes(path, {**body, "cache_salt": "tenant"})
@@ -244,3 +254,15 @@ def test_a_dead_replica_is_routed_around(cluster):
             assert time.monotonic() < deadline, state
             time.sleep(0.1)
         assert client.get("/health").status_code == 200  # one replica is enough
+
+
+def test_router_proxies_anthropic_messages(cluster):
+    _, _, router = cluster
+    with router.http() as client:
+        response = client.post("/v1/messages", json={
+            "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hi."}]})
+    assert response.status_code == 200, response.text
+    message = response.json()
+    assert message["type"] == "message" and message["content"][0]["type"] == "text"
+    assert message["usage"]["output_tokens"] >= 1

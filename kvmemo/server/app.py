@@ -1,10 +1,12 @@
-"""The HTTP server: OpenAI's routes and Anthropic's Messages route over an AsyncEngine.
+"""The HTTP server: OpenAI's routes (completions, chat, Responses) and Anthropic's Messages route
+over an AsyncEngine.
 
 Invariant: every error leaves as OpenAI's {"error": {...}} JSON (Anthropic's shape on
 /v1/messages; bad input 400, bad key 401, full queue 503), and a request whose client goes away
 is aborted, so its KV blocks are freed. This module only wires: the serving objects
-(serving_completion, serving_chat, serving_messages) handle the generation routes, errors.py the
-error bodies, kv_routes.py the /kv routes, token_routes.py /tokenize, /detokenize and /version.
+(serving_completion, serving_chat, serving_messages, serving_responses) handle the generation
+routes, errors.py the error bodies, kv_routes.py the /kv routes, token_routes.py /tokenize,
+/detokenize and /version.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from kvmemo.server.errors import APIError, add_error_handlers
 from kvmemo.server.kv_routes import add_kv_routes
 from kvmemo.server.metrics import ServerMetrics
 from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvmemo.server.responses_protocol import ResponsesRequest
 from kvmemo.server.serving_chat import ServingChat
 from kvmemo.server.serving_common import CLIENT_CLOSED
 from kvmemo.server.serving_completion import ServingCompletion
 from kvmemo.server.serving_messages import ServingMessages
+from kvmemo.server.serving_responses import ServingResponses
 from kvmemo.server.token_routes import add_token_routes
 
 if TYPE_CHECKING:
@@ -38,6 +42,7 @@ _ROUTES = (
     "/v1/chat/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
     "/v1/models",
     "/health",
     "/metrics",
@@ -74,6 +79,7 @@ def create_app(
     completion = ServingCompletion(engine, metrics, model_name)
     chat = ServingChat(engine, metrics, model_name)
     messages = ServingMessages(engine, metrics, model_name)
+    responses = ServingResponses(engine, metrics, model_name)
     auth = [Depends(_key_check(api_key))]
 
     @app.post("/v1/completions", dependencies=auth)
@@ -91,6 +97,18 @@ def create_app(
     @app.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_message_tokens(body: CountTokensRequest):
         return await messages.count_tokens(body)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create_response(body, request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth)
+    async def retrieve_response(response_id: str, cache_salt: str | None = None):
+        return responses.retrieve(response_id, cache_salt)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth)
+    async def delete_response(response_id: str, cache_salt: str | None = None):
+        return responses.delete(response_id, cache_salt)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:

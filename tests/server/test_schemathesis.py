@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the three generation routes (OpenAI's two, Anthropic's Messages)
+"""Property-based fuzzing of the generation routes (OpenAI's three, Anthropic's Messages)
 from the server's own OpenAPI schema: no 5xx.
 
 The schema is narrowed before fuzzing (max_tokens <= 4, n <= 2, max_tokens required for chat)
@@ -27,7 +27,8 @@ def server():
 
 def _narrowed_schema(raw: dict, model: str) -> dict:
     schemas = raw["components"]["schemas"]
-    for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest",
+                 "ResponsesRequest"):
         # Unknown fields and models are 400s anyway; keep positive examples on the model path.
         schemas[name]["additionalProperties"] = False
         props = schemas[name]["properties"]
@@ -44,17 +45,19 @@ def _narrowed_schema(raw: dict, model: str) -> dict:
                     },
                 ]
             }
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if field in props:
                 props[field] = {"type": "integer", "minimum": 1, "maximum": 4}
         if "n" in props:
             props["n"] = {"type": "integer", "minimum": 1, "maximum": 2}
     # Chat's max_tokens default is "the rest of the context": too slow for fuzzing.
     schemas["ChatCompletionRequest"].setdefault("required", []).append("max_tokens")
+    schemas["ResponsesRequest"].setdefault("required", []).append("max_output_tokens")
     return raw
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages",
+                                  "/v1/responses"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_no_server_errors(server, path, mode):
     from hypothesis import HealthCheck, given, settings

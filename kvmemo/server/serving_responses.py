@@ -1,0 +1,218 @@
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+
+A Responses request is translated into the chat route's request (responses_protocol.py) and runs
+through the chat route's whole path; the answer is a `response` object with `message` and
+`function_call` output items, or its event stream (response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta / .done,
+response.content_part.done, response.function_call_arguments.delta / .done,
+response.output_item.done, response.completed), each event numbered.
+
+Invariant: with store (the default) the response and its conversation (earlier turns, this input
+and this output, as chat messages) are kept (response_store.py), so a follow-up naming it as
+previous_response_id renders the same conversation again: its prompt starts with the tokens the
+last turn computed, which the prefix cache holds. A reply that may hold function calls streams
+its items when it has ended (the calls are parsed then).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kvmemo.engine import EngineDeadError
+from kvmemo.server.errors import APIError
+from kvmemo.server.job import Job
+from kvmemo.server.response_store import ResponseStore
+from kvmemo.server.responses_protocol import ResponsesRequest, chat_request, input_messages
+from kvmemo.server.serving_chat import ServingChat
+
+
+@dataclass
+class _Pending:
+    body: ResponsesRequest
+    conversation: list[dict[str, Any]]  # history and this input, as chat messages
+
+
+class ServingResponses(ServingChat):
+    object_name = "response"
+    chunk_object_name = "response"
+    id_prefix = ""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.store = ResponseStore()
+        self._pending: dict[str, _Pending] = {}  # request id -> its request, until answered
+
+    async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            stored = self.store.get(body.previous_response_id, body.cache_salt)
+            if stored is None:
+                raise _not_found(body.previous_response_id, "previous_response_id")
+            history = stored.conversation
+        chat = chat_request(body, history)
+        chat.request_id = "resp_" + uuid.uuid4().hex[:24]
+        self._pending[chat.request_id] = _Pending(body, history + input_messages(body.input))
+        try:
+            return await self.create(chat, request)
+        finally:
+            if not body.stream:  # a stream's events still need it: dropped when it ends
+                self._pending.pop(chat.request_id, None)
+
+    def retrieve(self, response_id: str, cache_salt: str | None) -> dict[str, Any]:
+        stored = self.store.get(response_id, cache_salt)
+        if stored is None:
+            raise _not_found(response_id, "response_id")
+        return stored.response
+
+    def delete(self, response_id: str, cache_salt: str | None) -> dict[str, Any]:
+        if not self.store.delete(response_id, cache_salt):
+            raise _not_found(response_id, "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    # ---- the answer ------------------------------------------------------------------------
+
+    def response_json(self, job: Job, output: list[dict[str, Any]], final: bool
+                      ) -> dict[str, Any]:
+        body = self._pending[job.name or ""].body
+        cut = final and job.choices[0].finish_reason == "length"
+        status = ("incomplete" if cut else "completed") if final else "in_progress"
+        out_tokens = sum(c.num_tokens for c in job.choices)
+        return {
+            "id": self.response_id(job), "object": "response", "created_at": job.created,
+            "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": self.model_name, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "store": body.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "text": body.text or {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "truncation": body.truncation or "disabled", "metadata": body.metadata or {},
+            "usage": {
+                "input_tokens": job.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": job.num_cached_tokens},
+                "output_tokens": out_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": job.num_prompt_tokens + out_tokens,
+            },
+        }
+
+    def output_items(self, job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The finished reply as output items, and as the chat message the conversation keeps."""
+        choice = job.choices[0]
+        message = self.choice_fields(job, choice)["message"]
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        items: list[dict[str, Any]] = []
+        if message.get("content"):
+            items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}",
+                          "status": status, "role": "assistant",
+                          "content": [_text_part(message["content"])]})
+        for call in message.get("tool_calls") or ():
+            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
+                          "call_id": call["id"], "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"], "status": "completed"})
+        return items, message
+
+    def finished(self, job: Job) -> dict[str, Any]:
+        """The final response object (stored when the request asked for it)."""
+        items, message = self.output_items(job)
+        response = self.response_json(job, items, final=True)
+        pending = self._pending[job.name or ""]
+        if pending.body.store:
+            self.store.put(response, pending.conversation + [message], pending.body.cache_salt)
+        return response
+
+    def full_response(self, job: Job) -> dict[str, Any]:
+        return self.finished(job)
+
+    async def stream_events(
+        self, job: Job, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
+        numbers = iter(range(1 << 62))
+
+        def event(kind: str, **data: Any) -> str:
+            payload = {"type": kind, "sequence_number": next(numbers), **data}
+            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+        started = text_open = False
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        text = ""
+        try:
+            async for item in job.stream:
+                _, delta = job.update(item)
+                if not started:
+                    started = True
+                    opening = self.response_json(job, [], final=False)
+                    yield event("response.created", response=opening)
+                    yield event("response.in_progress", response=opening)
+                if job.tool_replies is not None or not delta:
+                    continue  # a reply that may hold function calls: its items when it ends
+                if not text_open:
+                    text_open = True
+                    for line in _open_message(event, message_id):
+                        yield line
+                text += delta
+                yield event("response.output_text.delta", item_id=message_id, output_index=0,
+                            content_index=0, delta=delta, logprobs=[])
+            final = self.finished(job)
+            if text_open:  # the streamed message keeps the id its events named
+                final["output"][0]["id"] = message_id
+            for index, output in enumerate(final["output"]):
+                for line in _finish_item(event, index, output, opened=text_open and index == 0):
+                    yield line
+            yield event("response.completed", response=final)
+        except EngineDeadError as e:
+            yield event("error", code="engine_unavailable", message=str(e), param=None)
+        finally:
+            job.stream.abort()
+            self.record(job)
+            self._pending.pop(job.name or "", None)
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _open_message(event: Any, item_id: str) -> Iterator[str]:
+    yield event("response.output_item.added", output_index=0, item={
+        "type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
+        "content": []})
+    yield event("response.content_part.added", item_id=item_id, output_index=0,
+                content_index=0, part=_text_part(""))
+
+
+def _finish_item(event: Any, index: int, item: dict[str, Any], opened: bool) -> Iterator[str]:
+    """The events that close an output item (and, if it was not streamed, open and fill it)."""
+    if item["type"] == "message":
+        text = item["content"][0]["text"]
+        if not opened:
+            for line in _open_message(event, item["id"]):
+                yield line
+            yield event("response.output_text.delta", item_id=item["id"], output_index=index,
+                        content_index=0, delta=text, logprobs=[])
+        yield event("response.output_text.done", item_id=item["id"], output_index=index,
+                    content_index=0, text=text, logprobs=[])
+        yield event("response.content_part.done", item_id=item["id"], output_index=index,
+                    content_index=0, part=item["content"][0])
+    else:
+        yield event("response.output_item.added", output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"})
+        yield event("response.function_call_arguments.delta", item_id=item["id"],
+                    output_index=index, delta=item["arguments"])
+        yield event("response.function_call_arguments.done", item_id=item["id"],
+                    output_index=index, arguments=item["arguments"], name=item["name"])
+    yield event("response.output_item.done", output_index=index, item=item)
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response {response_id!r} (under this cache_salt)",
+                    "invalid_request_error", param=param, code="response_not_found")

@@ -1,0 +1,112 @@
+"""OpenAI's Responses API on a real `kvmemo serve`, through the unmodified `openai` SDK: text,
+streamed events (the same text), a function call and its output, previous_response_id chains
+over six turns that reuse every token computed before, a stored response retrieved and deleted,
+text.format json_schema, and 4xx naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.engine.test_tool_calls import WEATHER
+from tests.server.conftest import launch_server
+
+pytestmark = pytest.mark.model
+
+FUNCTION = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with launch_server("--num-blocks", "1024", "--max-model-len", "4096") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def test_text_and_streamed_events_agree(server, client):
+    model = server.model_name()
+    ask = {"model": model, "input": "Name a colour.", "instructions": "Answer in one word.",
+           "max_output_tokens": 12, "temperature": 0}
+    plain = client.responses.create(**ask)
+    assert plain.object == "response" and plain.status in ("completed", "incomplete")
+    assert plain.output_text and plain.usage.output_tokens >= 1
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and "response.output_text.done" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == plain.output_text == events[-1].response.output_text
+
+
+def test_function_call_and_its_output(server, client):
+    model = server.model_name()
+    first = client.responses.create(model=model, input="What is the weather in Oslo, in Celsius?",
+                                    tools=[FUNCTION], tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=80,
+                                    temperature=0)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    json.loads(calls[0].arguments)
+    second = client.responses.create(
+        model=model, previous_response_id=first.id, tools=[FUNCTION], max_output_tokens=24,
+        temperature=0, input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                               "output": "4 C and windy"}])
+    assert second.previous_response_id == first.id and second.output
+    computed = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= computed - 16
+
+
+def test_a_six_turn_chain_reuses_every_earlier_token(server, client):
+    model = server.model_name()
+    previous = None
+    for turn in range(6):
+        reply = client.responses.create(
+            model=model, input=f"Turn {turn}: name one more fruit.", max_output_tokens=12,
+            temperature=0, previous_response_id=None if previous is None else previous.id)
+        if previous is not None:  # all but the last, partly filled block of what came before
+            computed = previous.usage.input_tokens + previous.usage.output_tokens
+            assert reply.usage.input_tokens_details.cached_tokens >= computed - 16, turn
+        previous = reply
+
+
+def test_a_stored_response_is_retrieved_then_deleted(server, client):
+    model = server.model_name()
+    made = client.responses.create(model=model, input="Say hi.", max_output_tokens=4)
+    got = client.responses.retrieve(made.id)
+    assert got.id == made.id and got.output_text == made.output_text
+    client.responses.delete(made.id)
+    with pytest.raises(Exception) as gone:
+        client.responses.retrieve(made.id)
+    assert getattr(gone.value, "status_code", None) == 404
+    unstored = client.responses.create(model=model, input="Say hi.", max_output_tokens=4,
+                                       store=False)
+    with pytest.raises(Exception):
+        client.responses.retrieve(unstored.id)
+
+
+def test_json_schema_output_validates(server, client):
+    model = server.model_name()
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "celsius": {"type": "integer"}},
+              "required": ["city", "celsius"], "additionalProperties": False}
+    reply = client.responses.create(
+        model=model, input="Give a city and its temperature.", max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema}})
+    jsonschema.validate(json.loads(reply.output_text), schema)
+
+
+def test_bad_requests_name_the_field(server):
+    with server.http() as http:
+        unknown = http.post("/v1/responses", json={"input": "hi", "previous_response_id": "nope"})
+        tool = http.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}]})
+        item = http.post("/v1/responses", json={"input": [{"type": "mystery"}]})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "previous_response_id"
+    assert tool.status_code == 400 and tool.json()["error"]["param"] == "tools"
+    assert item.status_code == 400 and item.json()["error"]["param"] == "input"

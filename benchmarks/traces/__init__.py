@@ -1,0 +1,1 @@
+"""Production request traces replayed through kvmemo's own block pool (issue 41)."""

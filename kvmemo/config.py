@@ -19,6 +19,7 @@ from kvmemo.units import parse_size_bytes
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_MODES = ("auto", "dense", "native")
 # The servers' step budget (`kvmemo serve`, `kvmemo ray-serve`), smaller than a batch job's: a
 # step's length is every running stream's gap between tokens and every waiting request's wait
 # for its first. Served prefix_repetition (64 prompts on 2 shared 1,024-token prefixes, Zen 4,
@@ -156,8 +157,6 @@ class EngineConfig:
             kwargs["kv_store"] = tuple(kwargs["kv_store"])
         return cls(**kwargs)
 
-
-WEIGHT_MODES = ("auto", "dense", "native")
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -150,7 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     model = args.model or str(_bundled_model())
-    from kvmemo.routing.prompt_hasher import load_tokenizer
+    from kvmemo.model.loading.loader import load_tokenizer
 
     tokenizer, _, _ = load_tokenizer(model)
     prompts = workload(documents(tokenizer, args.documents, args.doc_tokens),

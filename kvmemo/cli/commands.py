@@ -29,12 +29,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 {"type": "text", "text": args.prompt},
             ]
         out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
-    elif images:
-        spec = llm.processor.image_input
-        prompt = args.prompt
-        if spec is not None and spec.image_token not in prompt:
-            prompt = f"{spec.image_token}\n" * len(images) + prompt  # no markers: images first
-        out = llm.generate({"prompt": prompt, "images": images}, params, use_tqdm=False)[0]
+    elif images:  # the intake places images before a prompt without markers
+        out = llm.generate({"prompt": args.prompt, "images": images}, params,
+                           use_tqdm=False)[0]
     else:
         out = llm.generate(args.prompt, params, use_tqdm=False)[0]
     completion = out.outputs[0]

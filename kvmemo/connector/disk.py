@@ -45,6 +45,8 @@ class DiskStore:
     own index, so the cap is per process, approximately shared).
     """
 
+    kind = "disk"
+
     def __init__(
         self,
         path: str | os.PathLike[str],

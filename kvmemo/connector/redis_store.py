@@ -51,6 +51,8 @@ class RedisStore:
     server with maxmemory and `maxmemory-policy allkeys-lru`, and an evicted block is a miss.
     """
 
+    kind = "redis"
+
     def __init__(
         self,
         url: str,

@@ -68,6 +68,8 @@ class BlockStore(Protocol):
     save can be dropped, never half-written); contains() is a hint for skipping duplicate saves.
     """
 
+    kind: str  # the store spec's kind ("disk", "redis"): what stats and logs call it
+
     def get(self, block_hash: BlockHash) -> bytes | None: ...
 
     def get_many(self, block_hashes: Sequence[BlockHash]) -> list[bytes | None]:

@@ -29,6 +29,8 @@ class TierStats:
 class TieredStore:
     """Owns the tiers (fastest first) and the per-tier served counters."""
 
+    kind = "tiered"
+
     def __init__(self, tiers: Sequence[tuple[str, BlockStore]]) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")

@@ -151,6 +151,6 @@ def _tier_stats(connector: StoreKVConnector) -> tuple[StoreTierStats, ...]:
             for t in store.tier_stats()
         )
     # One store, not wrapped: every hit it counted was served.
-    name = "redis" if hasattr(store, "url") else "disk"
+    name = getattr(store, "kind", "store")  # the BlockStore protocol's kind
     s = store.stats
     return (StoreTierStats(name, s.num_hits, s.num_misses, getattr(store, "num_errors", 0)),)

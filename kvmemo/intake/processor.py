@@ -103,14 +103,21 @@ class InputProcessor:
 
     def _process_prompt(self, inputs: PromptInput, token_ids: list[int] | None) -> ProcessedPrompt:
         """Tokenize a text or token-id prompt; with images, each image marker (e.g. "<image>")
-        becomes the image's placeholder tokens. A token-id prompt marks images with the image
-        token id, unexpanded. A text holding the blend separator becomes segments."""
+        becomes the image's placeholder tokens (a text without any marker gets one per image at
+        its start). A token-id prompt marks images with the image token id, unexpanded. A text
+        holding the blend separator becomes segments."""
         prompt, images = inputs.prompt, list(inputs.images or ())
         assert prompt is not None
         if isinstance(prompt, str) and not images:
             pieces = self.blend_pieces(prompt)
             if pieces is not None:
                 return self.process_segments(pieces, inputs.kv_reuse, inputs.recompute_ratio)
+        spec = self.image_input
+        if images and isinstance(prompt, str) and spec is not None and (
+                spec.image_token not in prompt):
+            # No markers at all: the images go first, one marker each (LLaVA's training
+            # layout); with some markers, their count must match (_expand_images).
+            prompt, token_ids = f"{spec.image_token}\n" * len(images) + prompt, None
         if token_ids is None or not isinstance(prompt, str):
             token_ids = self.encode_prompt(prompt, inputs.add_special_tokens)
         text = prompt if isinstance(prompt, str) else None

@@ -21,33 +21,6 @@ from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
 from kvmemo.server.protocol import ChatCompletionRequest
 
 
-def load_tokenizer(model: str | None) -> tuple[Any, str | None, str]:
-    """(tokenizer, chat template, weights fingerprint) of a .gguf file or HF directory."""
-    from kvmemo.model.loading.loader import checkpoint_fingerprint, resolve_model_path
-
-    path = resolve_model_path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"model path not found: {path}")
-    if path.is_file():
-        from kvmemo.model.loading.gguf_header import GGUFFile
-        from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
-
-        fingerprint = checkpoint_fingerprint(path)
-        from kvmemo.model.models.registry import ARCHITECTURES, default_chat_template
-
-        metadata = GGUFFile(path, max_array_len=0).header.metadata
-        template = metadata.get("tokenizer.chat_template")
-        architecture = metadata.get("general.architecture")
-        if template is None and architecture in ARCHITECTURES:  # the engine's fallback too
-            template = default_chat_template(architecture)
-        return load_gguf_tokenizer(path, fingerprint), template, fingerprint
-    from transformers import AutoTokenizer
-
-    fingerprint = checkpoint_fingerprint(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return tokenizer, getattr(tokenizer, "chat_template", None), fingerprint
-
-
 class PromptHasher:
     """Owns the tokenizer side (InputProcessor) and the hashing side (RequestHasher)."""
 

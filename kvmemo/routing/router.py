@@ -365,7 +365,7 @@ def run_router(
 ) -> None:
     import uvicorn
 
-    from kvmemo.routing.prompt_hasher import load_tokenizer
+    from kvmemo.model.loading.loader import load_tokenizer
 
     routing = RoutingPolicy(policy, balance_threshold)
     if health_interval_s <= 0:

@@ -10,7 +10,7 @@ from kvmemo.errors import InputError
 from kvmemo.intake.chat_options import ChatOptions
 from kvmemo.intake.processor import InputProcessor
 from kvmemo.intake.prompt_input import PromptInput
-from kvmemo.routing.prompt_hasher import load_tokenizer
+from kvmemo.model.loading.loader import load_tokenizer
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

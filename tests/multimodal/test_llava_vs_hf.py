@@ -149,6 +149,15 @@ def test_oversized_image_is_refused(monkeypatch) -> None:
 def test_marker_count_must_match_images(llm_on, llm_off) -> None:
     with pytest.raises(ValueError, match="1 image marker.*2 image"):
         llm_on.generate({"prompt": PROMPT, "images": [picture(1), picture(2)]}, use_tqdm=False)
+    # a prompt without any marker: the images go first, as the CLI's --image does
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    unmarked = PROMPT.replace("<image>\n", "")
+    placed = llm_on.generate({"prompt": unmarked, "images": [picture(1)]}, params,
+                             use_tqdm=False)[0]
+    explicit = llm_on.generate({"prompt": "<image>\n" + unmarked, "images": [picture(1)]},
+                               params, use_tqdm=False)[0]
+    assert placed.outputs[0].token_ids == explicit.outputs[0].token_ids
+    assert placed.prompt_token_ids == explicit.prompt_token_ids
     with pytest.raises(ValueError, match="'prompt' \\(required\\) and 'images'"):
         llm_on.generate({"text": PROMPT}, use_tqdm=False)
 

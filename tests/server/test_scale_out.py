@@ -128,7 +128,7 @@ def test_router_sends_a_repeated_prefix_to_its_holder_and_spreads_cold_prompts(c
 
 @pytest.fixture(scope="module")
 def router_tokenizer():
-    from kvmemo.routing.prompt_hasher import load_tokenizer
+    from kvmemo.model.loading.loader import load_tokenizer
 
     return load_tokenizer(None)  # what `kvmemo router` loads: tokenizer only, no weights
 

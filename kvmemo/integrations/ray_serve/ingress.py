@@ -55,7 +55,7 @@ class KvmemoIngress:
         chat_template: str | None = None,
         max_attempts: int = 3,
     ) -> None:
-        from kvmemo.routing.prompt_hasher import load_tokenizer
+        from kvmemo.model.loading.loader import load_tokenizer
 
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")

@@ -35,7 +35,7 @@ from kvmemo.model.loading.tokenizer import load_gguf_tokenizer
 from kvmemo.model.models.image_processor import ImageInputSpec, ImageProcessorConfig
 from kvmemo.model.models.llama import LlamaForCausalLM
 from kvmemo.model.models.llava import LlavaConfig, LlavaForConditionalGeneration
-from kvmemo.model.models.registry import architecture_spec, default_chat_template
+from kvmemo.model.models.registry import ARCHITECTURES, architecture_spec, default_chat_template
 from kvmemo.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,29 @@ def checkpoint_fingerprint(path: Path) -> str:
     return fingerprint_files([path / "config.json", *extra, *files], path)
 
 
+def load_tokenizer(path: str | os.PathLike[str] | None) -> tuple[Any, str | None, str]:
+    """(tokenizer, chat template, weights fingerprint) of a .gguf file or HF directory, without
+    its weights: the engine's resolution (load_model uses it) and the router's. A GGUF without a
+    template of its own gets its architecture's default (registry.default_chat_template)."""
+    resolved = resolve_model_path(None if path is None else str(path))
+    if not resolved.exists():
+        raise FileNotFoundError(f"model path not found: {resolved}")
+    fingerprint = checkpoint_fingerprint(resolved)
+    if resolved.is_file():
+        from kvmemo.model.loading.gguf_header import GGUFFile
+
+        metadata = GGUFFile(resolved, max_array_len=0).header.metadata
+        template = metadata.get("tokenizer.chat_template")
+        architecture = metadata.get("general.architecture")
+        if template is None and architecture in ARCHITECTURES:
+            template = default_chat_template(architecture)
+        return load_gguf_tokenizer(resolved, fingerprint), template, fingerprint
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
+    return tokenizer, getattr(tokenizer, "chat_template", None), fingerprint
+
+
 def resolve_weights_mode(weights: str, path: Path, device: str) -> str:
     """"auto" -> "native" for a .gguf file on CPU where the quantized kernels build (decode
     several times faster, a seventh of the memory; see docs/benchmarks.md for its agreement with
@@ -215,7 +238,6 @@ def load_model(
         raise ValueError(f"weights='native' runs on CPU (its kernels are C); device is {device}: "
                          "use weights='dense'")
 
-    from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 
     image_input: ImageInputSpec | None = None
     model: LlamaForCausalLM | LlavaForConditionalGeneration
@@ -228,18 +250,14 @@ def load_model(
             )
         checkpoint = load_gguf(resolved, native=weights == "native")
         state_dict, arch_config = checkpoint.state_dict, checkpoint.arch_config
-        chat_template = checkpoint.chat_template
-        fingerprint = checkpoint_fingerprint(resolved)
-        tokenizer = load_gguf_tokenizer(resolved, fingerprint)
+        tokenizer, chat_template, fingerprint = load_tokenizer(resolved)
     else:
         if weights == "native":
             raise ValueError(
                 f"weights='native' keeps a GGUF's quantized tensors; {resolved} is an HF "
                 "directory, whose weights load dense: use weights='dense'"
             )
-        fingerprint = checkpoint_fingerprint(resolved)
-        tokenizer = AutoTokenizer.from_pretrained(str(resolved), local_files_only=True)
-        chat_template = getattr(tokenizer, "chat_template", None)
+        tokenizer, chat_template, fingerprint = load_tokenizer(resolved)
         if read_raw_config(resolved).get("model_type") == "llava":
             model, image_input = _load_llava(resolved, tokenizer, dtype, device)
             arch_config = model.config.text

@@ -22,7 +22,7 @@ from tests.engine.invariance_requests import answers
 pytestmark = pytest.mark.model
 
 REPO = Path(__file__).resolve().parents[2]
-COUNT = {"smollm2": 32, "gemma3": 16}  # Gemma's 262k-row head makes each step dearer
+COUNT = {"smollm2": 32, "gemma3": 12}  # Gemma's 262k-row head makes each step dearer
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -68,7 +68,7 @@ def test_cached_prefixes_give_the_same_bits(batched) -> None:
 def test_each_request_alone_gives_the_same_bits(batched) -> None:
     llm, reference, _ = batched
     count = len(reference)
-    for i in range(0, count, 3):  # a third of them, each alone on a cold cache
+    for i in range(0, count, 4):  # a quarter of them, each alone on a cold cache
         llm.reset_prefix_cache()
         assert answers(llm, count, only=[i]) == [reference[i]], f"request {i}"
 

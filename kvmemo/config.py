@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str = "auto"
     # How a GGUF's weights are held: "dense" (dequantized to `dtype` at load: with float32, the
     # exact mode that matches transformers), "native" (at their GGUF bits over the memory-mapped
-    # file, decode steps on int8 activations), or "auto": native for a GGUF on CPU, else dense
+    # file, every product on int8 activations), or "auto": native for a GGUF on CPU, else dense
     # ($KVMEMO_WEIGHTS overrides auto)
     weights: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu

@@ -84,7 +84,8 @@ class PagedAttentionBackend:
     ) -> torch.Tensor:
         plan = self._plan_for(metadata, kv_cache, q)
         check_step_tensors(q, k, v, kv_cache, metadata)
-        if self._rows is not None:
+        if plan is None:  # every row alone (batch-invariant)
+            assert self._rows is not None
             return self._rows.attend(layer, q, k, v, kv_cache, self.scale)
         fused = self._fused
         if fused is not None and fused.kernel.write_fits(q, k, v):
@@ -112,13 +113,14 @@ class PagedAttentionBackend:
         return unfold_fp8_output(out, kv_cache, layer)
 
     def _plan_for(self, metadata: AttentionMetadata, kv_cache: PagedKVCache,
-                  q: torch.Tensor) -> StepPlan:
-        if metadata is not self._plan_metadata or self._plan is None:
+                  q: torch.Tensor) -> StepPlan | None:
+        """The step's StepPlan, or None when the row plan serves the step; built once a step."""
+        if metadata is not self._plan_metadata:
             check_metadata_fits_cache(metadata, kv_cache)
-            self._plan = StepPlan.build(metadata)
             self._plan_metadata = metadata
             self._rows = RowPlan.build(metadata, kv_cache, q) if self.batch_invariant else None
-            self._fused = None if self._rows is not None else FusedDecode.plan(
+            self._plan = None if self._rows is not None else StepPlan.build(metadata)
+            self._fused = None if self._plan is None else FusedDecode.plan(
                 self._plan, metadata, kv_cache, self.prefix_packs)
         return self._plan
 

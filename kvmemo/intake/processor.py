@@ -1,11 +1,9 @@
-"""InputProcessor: the one intake step. User prompts, chat messages and images -> ProcessedPrompts
-(validated token ids, images placed and hashed). LLM, the async engine (so the server), the CLI
-and the router's prompt hasher all go through it, so a prompt gets the same tokens everywhere.
+"""InputProcessor: the one intake step, prompts, chats and images -> ProcessedPrompts (validated
+token ids, images placed and hashed), for LLM, the server, the CLI and the router's hasher alike.
 
 Invariant: every token id it returns is in [0, vocab_size); each image becomes the model's
-number of placeholder tokens where its marker stood, recorded as a MultiModalItem whose content
-hash is taken after preprocessing; bad input raises ValueError naming what was wrong and what is
-allowed.
+number of placeholder tokens where its marker stood, a MultiModalItem hashed after preprocessing;
+bad input raises ValueError naming what was wrong and what is allowed.
 """
 
 from __future__ import annotations
@@ -102,21 +100,17 @@ class InputProcessor:
         return prompt
 
     def _process_prompt(self, inputs: PromptInput, token_ids: list[int] | None) -> ProcessedPrompt:
-        """Tokenize a text or token-id prompt; with images, each image marker (e.g. "<image>")
-        becomes the image's placeholder tokens (a text without any marker gets one per image at
-        its start). A token-id prompt marks images with the image token id, unexpanded. A text
-        holding the blend separator becomes segments."""
+        """Tokenize a text or token-id prompt; with images, each image marker (e.g. "<image>";
+        none: one per image at the start, LLaVA's layout) becomes the image's placeholder tokens.
+        Token ids mark images with the image token id. The blend separator makes segments."""
         prompt, images = inputs.prompt, list(inputs.images or ())
         assert prompt is not None
         if isinstance(prompt, str) and not images:
             pieces = self.blend_pieces(prompt)
             if pieces is not None:
                 return self.process_segments(pieces, inputs.kv_reuse, inputs.recompute_ratio)
-        spec = self.image_input
-        if images and isinstance(prompt, str) and spec is not None and (
-                spec.image_token not in prompt):
-            # No markers at all: the images go first, one marker each (LLaVA's training
-            # layout); with some markers, their count must match (_expand_images).
+        spec = self.image_input  # no marker at all: the images first (some: counts must match)
+        if images and spec and isinstance(prompt, str) and spec.image_token not in prompt:
             prompt, token_ids = f"{spec.image_token}\n" * len(images) + prompt, None
         if token_ids is None or not isinstance(prompt, str):
             token_ids = self.encode_prompt(prompt, inputs.add_special_tokens)

@@ -300,6 +300,11 @@ def _reachable(endpoint: str, replica_url: str) -> str:
     return endpoint
 
 
+# The generation routes, proxied to the replica the prompt's blocks point at.
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages",
+                 "/v1/messages/count_tokens")
+
+
 def create_router_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -309,27 +314,21 @@ def create_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="kvmemo router", version="0.1.0", lifespan=lifespan)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await router.proxy(request, "/v1/completions")
+    def add_proxy(path: str) -> None:
+        async def proxy(request: Request) -> Response:
+            return await router.proxy(request, path)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await router.proxy(request, "/v1/chat/completions")
+        app.add_api_route(path, proxy, methods=["POST"], name=path)
 
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        return await router.proxy(request, "/v1/messages")
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_message_tokens(request: Request):
-        return await router.proxy(request, "/v1/messages/count_tokens")
+    for path in PROXIED_PATHS:
+        add_proxy(path)
 
     @app.get("/v1/models")
     async def models(request: Request):
         for replica in router.replicas:
             if replica.healthy:
-                auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+                auth = {k: v for k, v in request.headers.items()
+                        if k.lower() in ("authorization", "x-api-key")}
                 response = await router.client.get(f"{replica.url}/v1/models", headers=auth)
                 return Response(response.content, response.status_code,
                                 media_type=response.headers.get("content-type"))

@@ -1,4 +1,4 @@
-"""Products of few-row activations, quantized to int8, with GGUF-quantized weights.
+"""Products of activations quantized to int8 (any row count) with GGUF-quantized weights.
 
 Invariant: Int8Weights([w])(x) equals F.linear(x', w.dequantize()) to fp32 rounding, where x' is
 x rounded to int8 codes per GROUP (4) values (scale amax / 127: quantize_activations), so it

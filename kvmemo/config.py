@@ -14,6 +14,7 @@ from kvmemo.attention.names import ATTENTION_BACKENDS
 from kvmemo.connector.spec import parse_kv_stores
 from kvmemo.intake.segments import KV_REUSE_MODES
 from kvmemo.kv.hashing import HASH_ALGORITHMS
+from kvmemo.spec.config import SpeculativeConfig
 from kvmemo.units import parse_size_bytes
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
@@ -90,8 +91,17 @@ class EngineConfig:
     # LMCache's convention: a text prompt holding this string is split at it into segments
     # (the separator removed), e.g. " # # "; None: prompts are not split
     blend_separator: str | None = None
+    # Speculative decoding (vLLM's speculative_config: {"method": "ngram" | "suffix",
+    # "num_speculative_tokens": K, ...}, a dict, its JSON or a SpeculativeConfig); drafts are
+    # verified losslessly, see docs/speculative.md. None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            # Frozen: the parsed form replaces a dict or JSON text given by the caller.
+            object.__setattr__(
+                self, "speculative_config", SpeculativeConfig.parse(self.speculative_config)
+            )
         _one_of("dtype", self.dtype, MODEL_DTYPES)
         _one_of("weights", self.weights, WEIGHT_MODES)
         _one_of("device", self.device, DEVICES)

@@ -59,6 +59,11 @@ class RequestMetrics:
     # came from cached chunks as is, and prompt tokens computed (the rest were prefix hits).
     num_blended_tokens: int | None = None
     num_recomputed_tokens: int | None = None
+    # Speculative decoding: steps that verified a draft, drafted tokens verified, and how many
+    # of them were kept (each kept token is a decode step saved).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:

@@ -103,6 +103,12 @@ class Request:
     kv_marker: tuple[int, str] | None = None
     # A blended prompt's plan (BlendSpec), set by the engine's blend driver; None otherwise.
     blend: BlendSpec | None = None
+    # Speculative decoding: the tokens drafted for the next step (kvmemo/spec), verified there;
+    # never part of all_token_ids or block_hashes until kept.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0  # steps that verified a draft
+    num_draft_tokens: int = 0  # drafted tokens verified so far
+    num_accepted_tokens: int = 0  # of those, kept
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -136,6 +142,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.extend_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first num_output_tokens (a stop string ended the
+        output inside a verified draft: what followed it is not produced)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop :]
+        if self.hasher is not None:
+            del self.block_hashes[self.num_tokens // self.hasher.block_size :]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

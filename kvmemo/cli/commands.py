@@ -44,10 +44,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "cached_prompt_tokens": out.metrics.num_cached_tokens,
             "ttft_s": out.metrics.ttft_s,
             "latency_s": out.metrics.latency_s,
+            "draft_tokens": out.metrics.num_draft_tokens,
+            "accepted_tokens": out.metrics.num_accepted_tokens,
         }))
     else:
         print(completion.text)
     if args.verbose:
+        if llm.config.speculative_config is not None:
+            drafted, kept = out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens
+            print(
+                f"speculative ({llm.config.speculative_config.method}): {kept} of {drafted} "
+                f"drafted tokens accepted ({kept / max(drafted, 1):.0%}); "
+                f"{len(completion.token_ids)} tokens in "
+                f"{len(completion.token_ids) - kept} steps",
+                file=sys.stderr,
+            )
         mem = llm.memory_stats()
         print(
             f"memory: weights {mem.weights_bytes / 2**20:.0f} MiB, KV pool "

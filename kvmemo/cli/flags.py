@@ -61,6 +61,13 @@ def add_engine_flags(
         "its cache hits (default: batch-invariant)",
     )
     g.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", '
+        '"num_speculative_tokens": 5}\' drafts from the request\'s own tokens, '
+        '\'{"method": "suffix"}\' from every sequence seen under the same cache salt; '
+        "verified losslessly (the output is the plain run's) (default: off)",
+    )
+    g.add_argument(
         "--enforce-eager", action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: graphs)",
     )
@@ -200,6 +207,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         batch_invariant=args.batch_invariant,
+        speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

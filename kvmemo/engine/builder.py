@@ -2,8 +2,8 @@
 
 The one place that knows the construction order: the device, the model (its linear kernels
 bound), the input processor, the KV layout and pool, the cache manager, the connector, the
-scheduler and the drivers beside it, the model runner (attention backend, CUDA graphs) and the
-output processor. Engine (engine.py) only runs them.
+scheduler and the drivers beside it, the model runner (attention backend, CUDA graphs), the
+output processor and the draft proposer. Engine (engine.py) only runs them.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.layers.linear import KernelChoice
 from kvmemo.model.loading.loader import LoadedModel, load_model
 from kvmemo.model.models.llama_fast import prepare as prepare_model
+from kvmemo.spec.proposer import DraftProposer
 from kvmemo.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineParts:
     blends: BlendDriver
     runner: ModelRunner
     outputs: OutputProcessor
+    drafts: DraftProposer | None  # speculative decoding's draft source, when configured
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -145,6 +147,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         kv_connector=kv_connector,
         encoder_cache=encoder_cache,
         kv_groups=layout.groups,
+        vocab_size=arch.vocab_size,
     )
     runner.track_block_generations(kv_manager.block_pool.generations)
     if decode_graphs_apply(device, runner.attention_backend.name, len(layout.groups),
@@ -154,6 +157,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.max_num_seqs, arch.num_attention_heads,
         )
     outputs = OutputProcessor(loaded.tokenizer, processor.reply_tokens, scheduler.finish_request)
+    drafts = (
+        DraftProposer(config.speculative_config, max_model_len)
+        if config.speculative_config is not None else None
+    )
     logger.info(
         "engine ready in %.1f s on %s (linear kernels: decode %s, prefill %s)",
         time.perf_counter() - start, device, linear_kernels.decode, linear_kernels.prefill,
@@ -163,4 +170,5 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len, eos_token_ids=eos_token_ids, layout=layout,
         hasher=layout.new_hasher(), kv_manager=kv_manager, kv_connector=kv_connector,
         scheduler=scheduler, beams=beams, blends=blends, runner=runner, outputs=outputs,
+        drafts=drafts,
     )

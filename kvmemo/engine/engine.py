@@ -55,6 +55,7 @@ class Engine:
         self.blends = parts.blends
         self.runner = parts.runner
         self.outputs = parts.outputs
+        self.drafts = parts.drafts  # speculative decoding's DraftProposer, or None
         self._kv_event_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self._structured: StructuredOutputCompiler | None = None
         self.num_steps = 0
@@ -259,7 +260,7 @@ class Engine:
         output = self.scheduler.schedule()
         result = self.runner.execute(output)
         self.num_steps += 1
-        sampled = {rid: t.token_id for rid, t in result.sampled.items()}
+        sampled = {rid: [t.token_id for t in tokens] for rid, tokens in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)
         for request_id, reused in result.blend_counts.items():
             state = self.outputs.get(request_id)
@@ -279,7 +280,15 @@ class Engine:
             else []
         )
         self._publish_kv_events()
-        return self.outputs.process(touched, result.sampled, ended, time.monotonic())
+        outputs = self.outputs.process(touched, result.sampled, ended, time.monotonic())
+        if self.drafts is not None:
+            # After the outputs: a stop string there may have ended a request.
+            for request in touched:
+                if request.is_finished:
+                    self.drafts.finished(request)
+                else:
+                    request.draft_token_ids = self.drafts.propose(request)
+        return outputs
 
     # ---- what the engine tells the outside -------------------------------------------------
 

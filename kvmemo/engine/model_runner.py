@@ -20,6 +20,7 @@ from kvmemo.attention.backend import AttentionBackend, select_attention_backend
 from kvmemo.attention.cache import PagedKVCache
 from kvmemo.attention.metadata import AttentionMetadata
 from kvmemo.engine.blend_forward import blend_prefill
+from kvmemo.engine.draft_verify import accepted, draft_rows
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.sampler import SampledToken, Sampler
 from kvmemo.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -37,7 +38,9 @@ _PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are computed at once
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken]  # request_id -> its new token, for sequences that sampled
+    # request_id -> its new tokens, for sequences that sampled: one, or after a draft, the
+    # kept draft tokens and the one that follows them (kvmemo/engine/draft_verify.py)
+    sampled: dict[str, list[SampledToken]]
     # request_id -> [vocab] fp32 log_softmax of the last position, for sequences that asked for
     # it instead of a token (return_logprobs_row).
     logprobs_rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -66,8 +69,10 @@ class ModelRunner:
         kv_connector: KVConnector | None = None,
         encoder_cache: EncoderCache | None = None,
         kv_groups: Sequence[KVGroup] = (),
+        vocab_size: int = 0,
     ):
         self.model = model
+        self.vocab_size = vocab_size  # a grammar mask's width, for a draft's rows
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
@@ -138,7 +143,7 @@ class ModelRunner:
                 logits, [seq.sampling_params], [seq.num_output_tokens],
                 [seq.token_history], [seq.constraint],
             )
-            sampled[seq.request_id] = token
+            sampled[seq.request_id] = [token]
         return dataclasses.replace(result, sampled=sampled, blend_counts=counts)
 
     def _execute(self, seqs: list[ScheduledSequence]) -> ModelRunnerOutput:
@@ -156,11 +161,21 @@ class ModelRunner:
             num_cache_blocks=self.kv_cache.num_blocks,
             device=self.device,
         )
-        sampling = [i for i, s in enumerate(seqs) if s.needs_sample]
+        # The rows that sample: each sequence's last, or a drafted sequence's last
+        # len(draft) + 1, each as a view of its sequence at that point of the draft.
+        rows: list[ScheduledSequence] = []
+        row_of: list[int] = []  # the sampled rows' indices in the batch
+        owner: list[int] = []  # the sequence (index into seqs) of each sampled row
+        for i, seq in enumerate(seqs):
+            if seq.needs_sample:
+                views = draft_rows(seq, self.vocab_size)
+                end = metadata.query_start_loc[i + 1]
+                rows.extend(views)
+                row_of.extend(range(end - len(views), end))
+                owner.extend([i] * len(views))
         ids, positions_t, last_rows = to_device(  # [T], [T], [N]: one copy on a GPU
             [torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-             torch.tensor([metadata.query_start_loc[i + 1] - 1 for i in sampling],
-                          dtype=torch.int64)], self.device)
+             torch.tensor(row_of, dtype=torch.int64)], self.device)
         multimodal = self._multimodal_embeds(seqs, ids, metadata)
         hidden = None
         if self.decode_graphs is not None and not multimodal and len(ids) == len(seqs):
@@ -174,31 +189,32 @@ class ModelRunner:
             self._prompt_logprobs(hidden, seqs, metadata)
             if any(s.prompt_token_ids is not None for s in seqs) else {}
         )
-        if not sampling:
+        if not rows:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         hidden = hidden.index_select(0, last_rows)  # [N, hidden]
-        if not self.capture_logits and all(_plain_greedy(seqs[i]) for i in sampling):
+        if not self.capture_logits and all(_plain_greedy(row) for row in rows):
             greedy = self._greedy_tokens(hidden)
             if greedy is not None:
-                sampled = {seqs[i].request_id: SampledToken(t, None, None)
-                           for i, t in zip(sampling, greedy)}
-                return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
-        logits = self._logits(hidden, [seqs[i] for i in sampling])  # [N, vocab] fp32
+                tokens = [SampledToken(t, None, None) for t in greedy]
+                return ModelRunnerOutput(sampled=_kept(seqs, owner, tokens),
+                                         prompt_logprobs=prompt_logprobs)
+        logits = self._logits(hidden, rows)  # [N, vocab] fp32
         if self.capture_logits:
             self.last_logits = logits.clone()
         logprobs_rows: dict[str, torch.Tensor] = {}
-        if any(seqs[i].return_logprobs_row for i in sampling):
-            logits, sampling, logprobs_rows = self._split_rows(logits, sampling, seqs)
+        if any(row.return_logprobs_row for row in rows):  # beams: never drafted
+            logits, left, logprobs_rows = self._split_rows(logits, list(range(len(rows))), rows)
+            rows, owner = [rows[r] for r in left], [owner[r] for r in left]
         tokens = self.sampler.sample(
             logits,
-            [seqs[i].sampling_params for i in sampling],
-            [seqs[i].num_output_tokens for i in sampling],
-            [seqs[i].token_history for i in sampling],
-            [seqs[i].constraint for i in sampling],
-        ) if sampling else []
-        sampled = {seqs[i].request_id: t for i, t in zip(sampling, tokens)}
+            [row.sampling_params for row in rows],
+            [row.num_output_tokens for row in rows],
+            [row.token_history for row in rows],
+            [row.constraint for row in rows],
+        ) if rows else []
         return ModelRunnerOutput(
-            sampled=sampled, logprobs_rows=logprobs_rows, prompt_logprobs=prompt_logprobs
+            sampled=_kept(seqs, owner, tokens), logprobs_rows=logprobs_rows,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logits(self, hidden: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
@@ -362,6 +378,24 @@ class ModelRunner:
             return backend.forward(layer, q, k, v, kv_cache, layer_metadata[layer])
 
         return attention
+
+
+def _kept(
+    seqs: list[ScheduledSequence], owner: list[int], tokens: list[SampledToken]
+) -> dict[str, list[SampledToken]]:
+    """Each sequence's new tokens from its sampled rows (in order, `owner` naming each row's
+    sequence): the one token, or a draft's kept prefix and the token after it."""
+    by_seq: dict[int, list[SampledToken]] = {}
+    for i, token in zip(owner, tokens):
+        by_seq.setdefault(i, []).append(token)
+    return {
+        seqs[i].request_id: accepted(seqs[i].draft_token_ids, row_tokens, _token_id)
+        for i, row_tokens in by_seq.items()
+    }
+
+
+def _token_id(token: SampledToken) -> int:
+    return token.token_id
 
 
 def _plain_sampled(seq: ScheduledSequence) -> bool:

@@ -41,6 +41,7 @@ class RequestState:
     sent_chars: int = 0
     sent_tokens: int = 0
     sent_prompt_logprobs: bool = False
+    num_taken: int = 0  # output tokens taken into the text and logprobs so far
 
     @property
     def kind(self) -> RequestOutputKind:
@@ -95,16 +96,24 @@ class OutputProcessor:
             if state is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs[first : first + len(entries)] = entries
 
-    def process(self, touched: list[Request], sampled: dict[str, SampledToken],
+    def process(self, touched: list[Request], sampled: dict[str, list[SampledToken]],
                 ended_searches: list[BeamSearch], now: float) -> list[RequestOutput]:
-        """The outputs of one step: one per request that got a token or finished (as its kind
+        """The outputs of one step: one per request that got tokens or finished (as its kind
         allows), then one per beam search that ended."""
         outputs = []
         for request in touched:
             state = self.states[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._take_token(state, sampled[request.request_id])
+            # The scheduler appended these (fewer than sampled when a stop token came first).
+            new = request.num_output_tokens - state.num_taken
+            for n, token in enumerate(sampled[request.request_id][:new]):
+                is_last = n == new - 1
+                state.num_taken += 1
+                if self._take_token(state, token, is_last) and not is_last:
+                    # A stop string inside a verified draft: what followed is not produced.
+                    request.truncate_output(state.num_taken)
+                    break
             out = self._make_output(state, now)
             if out is not None:
                 outputs.append(out)
@@ -115,8 +124,11 @@ class OutputProcessor:
             outputs.append(self._make_beam_output(state, now))
         return outputs
 
-    def _take_token(self, state: RequestState, token: SampledToken) -> None:
+    def _take_token(self, state: RequestState, token: SampledToken, is_last: bool) -> bool:
+        """Takes one new token (is_last: the step's last for this request) into the text and
+        logprobs; True when a stop string ended the output at it."""
         request = state.request
+        ending = is_last and request.is_finished
         if request.constraint is not None and not request.constraint.accept(token.token_id):
             # Only a sampler fallback (a row left with no usable probability) gets here.
             logger.error("request %s: token %d breaks its grammar; stopping it",
@@ -130,17 +142,20 @@ class OutputProcessor:
         # The EOS or stop token id that ended the output leaves no text (vLLM's rule), unless
         # the stop is to be included.
         shown = not (
-            request.status == RequestStatus.FINISHED_STOPPED
+            ending
+            and request.status == RequestStatus.FINISHED_STOPPED
             and request.stop_reason == token.token_id
             and not request.sampling_params.include_stop_str_in_output
         )
-        if state.detokenizer.add_token(token.token_id, is_last=request.is_finished, shown=shown):
+        if state.detokenizer.add_token(token.token_id, is_last=ending, shown=shown):
             request.stop_reason = state.detokenizer.stop_reason
             self._finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+            return True
         if not shown:  # ended by EOS or a stop token id: the text is all of the rest
             self.reply_tokens.remember(
                 state.detokenizer.text, request.output_token_ids[:-1], request.cache_salt
             )
+        return False
 
     def _make_output(self, state: RequestState, now: float) -> RequestOutput | None:
         request = state.request
@@ -197,6 +212,9 @@ class OutputProcessor:
             first_token_time=request.first_token_time,
             finished_time=now if request.is_finished else None,
             num_preemptions=request.num_preemptions,
+            num_drafts=request.num_drafts,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
         if state.blended:
             spec = request.blend

@@ -16,7 +16,7 @@ import torch
 
 from kvmemo.engine.kernels.sampling import can_sample_rows, sample_rows
 from kvmemo.sampling import SamplingParams
-from kvmemo.structured.grammar import Constraint, allowed_token_masks
+from kvmemo.structured.grammar import Constraint, FixedMask, allowed_token_masks
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class Sampler:
         params: list[SamplingParams],
         num_output_tokens: list[int],
         histories: Sequence[TokenHistory | None] | None = None,
-        constraints: Sequence[Constraint | None] | None = None,
+        constraints: Sequence[Constraint | FixedMask | None] | None = None,
     ) -> list[SampledToken]:
         """logits: [N, vocab] fp32, one row per sampling sequence. histories[i] is needed for a
         row whose params have penalties (SamplingParams.has_penalties); constraints[i] is the
@@ -272,7 +272,8 @@ def _temperature_only(params: SamplingParams, vocab: int) -> bool:
 
 
 def _masked_by_grammar(
-    logits: torch.Tensor, constraints: Sequence[Constraint | None], *, in_place: bool = False
+    logits: torch.Tensor, constraints: Sequence[Constraint | FixedMask | None], *,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """logits (a copy unless in_place) with -inf wherever a row's grammar forbids the token.
     Only the constrained rows are touched, so the others' tokens are the same as in a batch

@@ -122,7 +122,8 @@ class Scheduler:
         preempted: list[str] = []
         blends: dict[str, BlendStep] = {}
 
-        # Running requests first: decodes and unfinished prefill chunks.
+        # Running requests first: decodes (with their drafts) and unfinished prefill chunks.
+        drafts: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -130,15 +131,22 @@ class Scheduler:
             if num_new == 0:  # waits for its driver to give it a token (a beam between steps)
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            # A decode verifies its draft in the same step, as far as the budget goes.
+            draft = request.draft_token_ids[: budget - 1] if num_new == 1 else []
+            while self.kv.allocate_slots(request, num_new + len(draft)) is None:
+                if draft:  # the draft is a guess: it gives way before any request does
+                    draft = []
+                    continue
                 victim = self.running.pop()  # the newest; never one already scheduled (index < i)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
+                if draft:
+                    drafts[request.request_id] = draft
                 scheduled.append((request, num_new))
-                budget -= num_new
+                budget -= num_new + len(draft)
                 i += 1
 
         # Then waiting requests, while budget, sequence slots and blocks last. No admission in a
@@ -225,7 +233,10 @@ class Scheduler:
         sequences = [
             ScheduledSequence(
                 request_id=r.request_id,
-                token_ids=r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
+                token_ids=[
+                    *r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
+                    *drafts.get(r.request_id, ()),
+                ],
                 num_computed_tokens=r.num_computed_tokens,
                 block_table=self.kv.get_block_table(r.request_id),
                 group_block_tables=(
@@ -248,6 +259,7 @@ class Scheduler:
                     else None
                 ),
                 blend=blends.get(r.request_id),
+                draft_token_ids=tuple(drafts.get(r.request_id, ())),
             )
             for r, n in scheduled
         ]
@@ -262,18 +274,16 @@ class Scheduler:
             kv_connector_metadata=connector_metadata,
         )
 
-    def _uncomputed_block_hashes(self, request: Request) -> list[BlockHash]:
-        return request.block_hashes[request.num_computed_tokens // self.kv.block_size :]
-
     def _blocks_being_computed(self) -> set[BlockHash]:
         """Hashes of full blocks that running prefills have not finished computing yet."""
         if not self.kv.enable_caching:
             return set()
+        size = self.kv.block_size
         return {
             h
             for r in self.running
             if r.num_computed_tokens < r.num_tokens - 1
-            for h in self._uncomputed_block_hashes(r)
+            for h in r.block_hashes[r.num_computed_tokens // size :]
         }
 
     def _can_share_in_flight(self, request: Request) -> bool:
@@ -291,13 +301,11 @@ class Scheduler:
         self, computing: dict[BlockHash, Request], request: Request, num_new: int
     ) -> None:
         """Records the full blocks `request` completes in the step being scheduled (from its
-        num_computed_tokens on), for requests admitted after it to share. Not recorded:
-        - a beam (it publishes its blocks when its search ends, not after the step);
-        - a blend (the runner computes blends after the other sequences of the step, so a
-          sharer would read its blocks before they are written);
-        - a single new token (every sequence of a step that shares then computes a prompt chunk,
-          so the step never takes the fused decode path, which writes each sequence's slot as
-          it attends rather than all of them first)."""
+        num_computed_tokens on; a draft's never count), for requests admitted after it to share.
+        Not recorded: a beam (it publishes its blocks when its search ends); a blend (computed
+        after the step's other sequences, so a sharer would read its blocks before they are
+        written); a single new token (a sharing step computes prompt chunks, so never takes the
+        fused decode path, which writes each sequence's slot as it attends)."""
         if (
             not request.sample_tokens
             or request.blend is not None
@@ -351,6 +359,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -358,12 +367,14 @@ class Scheduler:
         logger.debug("preempted %s (recompute)", request.request_id)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[Request]:
         """Advance scheduled requests by the step's results.
 
-        Appends sampled tokens, applies token-level stop rules, commits the blocks whose KV the
-        step computed (so they are reusable from the next step on, while the request still runs)
+        Appends sampled tokens (one, or a verified draft's kept tokens and the one after them),
+        applies token-level stop rules after each, commits the blocks whose KV the step computed
+        for tokens kept (so they are reusable from the next step on, while the request still
+        runs; a rejected draft token's slot is never committed, and its block hash never made)
         and frees finished requests. A sequence that does not sample (Request.sample_tokens) is
         only advanced: its driver appends its tokens and decides what it publishes. Returns the
         requests that got a new token or finished.
@@ -373,12 +384,23 @@ class Scheduler:
         touched: list[Request] = []
         for seq in output.sequences:
             request = self.requests[seq.request_id]
-            request.num_computed_tokens += len(seq.token_ids)
+            num_drafted = len(seq.draft_token_ids)
+            request.num_computed_tokens += len(seq.token_ids) - num_drafted
             if not request.sample_tokens:
                 continue
             if seq.needs_sample:
-                request.append_output_token(sampled_token_ids[seq.request_id])
-                self._check_token_stop(request)
+                tokens = sampled_token_ids[seq.request_id]
+                if num_drafted:
+                    request.num_drafts += 1
+                    request.num_draft_tokens += num_drafted
+                    request.num_accepted_tokens += len(tokens) - 1
+                for n, token in enumerate(tokens):
+                    if n:  # the KV of the kept draft token before it was computed this step
+                        request.num_computed_tokens += 1
+                    request.append_output_token(token)
+                    self._check_token_stop(request)
+                    if request.is_finished:
+                        break
                 touched.append(request)
             self.kv.commit(request, request.num_computed_tokens)
             if request.is_finished:

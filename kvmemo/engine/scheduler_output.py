@@ -15,7 +15,7 @@ from kvmemo.sampling import SamplingParams
 if TYPE_CHECKING:
     from kvmemo.connector.base import ConnectorMetadata
     from kvmemo.kv.mm_items import MultiModalItem
-    from kvmemo.structured.grammar import Constraint
+    from kvmemo.structured.grammar import Constraint, FixedMask
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +61,9 @@ class ScheduledSequence:
     # (prompt ids, output ids so far), references to the request's lists, for a request whose
     # sampling has penalties (the sampler counts them); None otherwise.
     token_history: tuple[Sequence[int], Sequence[int]] | None = None
-    # The request's structured-output Constraint (its next token's mask), or None.
-    constraint: Constraint | None = None
+    # The request's structured-output Constraint (its next token's mask), or None; a draft
+    # row's view holds the mask at its point of the draft (kvmemo/engine/draft_verify.py).
+    constraint: Constraint | FixedMask | None = None
     # The prompt, for a request that wants prompt logprobs and whose chunk holds prompt
     # positions that predict a prompt token (all but the last); None otherwise.
     prompt_token_ids: Sequence[int] | None = None
@@ -71,6 +72,9 @@ class ScheduledSequence:
     group_block_tables: list[list[int | None]] = field(default_factory=list)
     # Set on the step that computes a blended prompt (Request.blend); None otherwise.
     blend: BlendStep | None = None
+    # Speculative decoding: the drafted tokens that end token_ids (after the request's last
+    # token); every one of those rows samples, and verification keeps the agreeing prefix.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ class Job:
     num_cached_tokens: int = 0
     num_blended_tokens: int | None = None  # kv_reuse="blend" only
     num_recomputed_tokens: int | None = None
+    # Speculative decoding, per choice: (steps with a draft, drafted tokens, kept tokens).
+    drafts: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     ttft_s: float | None = None
     start: float = field(default_factory=time.monotonic)
     # Per prompt token {token_id: logprob} (None for the first), once the prompt is computed,
@@ -92,6 +94,11 @@ class Job:
             self.num_cached_tokens = out.metrics.num_cached_tokens
             self.num_blended_tokens = out.metrics.num_blended_tokens
             self.num_recomputed_tokens = out.metrics.num_recomputed_tokens
+        metrics = out.metrics
+        if metrics.num_drafts:
+            self.drafts[item.index] = (
+                metrics.num_drafts, metrics.num_draft_tokens, metrics.num_accepted_tokens
+            )
         if self.ttft_s is None and out.metrics.first_token_time is not None:
             self.ttft_s = time.monotonic() - self.start
         return choice, delta
@@ -102,12 +109,21 @@ class Job:
         if self.num_blended_tokens is not None:
             details["blended_tokens"] = self.num_blended_tokens
             details["recomputed_tokens"] = self.num_recomputed_tokens
-        return {
+        usage = {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.num_prompt_tokens + completion_tokens,
             "prompt_tokens_details": details,
         }
+        if self.drafts:
+            # OpenAI's names for predicted-output tokens: a draft is a prediction.
+            drafted = sum(d for _, d, _ in self.drafts.values())
+            kept = sum(a for _, _, a in self.drafts.values())
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": kept,
+                "rejected_prediction_tokens": drafted - kept,
+            }
+        return usage
 
     def token_text(self, token_id: int) -> str:
         return self.token_texts.get(token_id, "")

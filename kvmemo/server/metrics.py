@@ -47,6 +47,16 @@ class ServerMetrics:
             "kvmemo_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
         self.generation_tokens = Counter("kvmemo_generation_tokens", "Generated tokens", registry=r)
+        # vLLM's speculative decoding counters (vllm:spec_decode_num_*), in kvmemo's prefix.
+        self.spec_drafts = Counter(
+            "kvmemo_spec_decode_num_drafts", "Steps that verified a draft", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "kvmemo_spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvmemo_spec_decode_num_accepted_tokens", "Drafted tokens accepted", registry=r
+        )
 
         def gauge(name: str, doc: str, read) -> None:
             Gauge(name, doc, registry=r).set_function(read)

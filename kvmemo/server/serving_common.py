@@ -273,6 +273,10 @@ class OpenAIServing:
         m.prompt_tokens.inc(job.num_prompt_tokens)
         m.cached_tokens.inc(job.num_cached_tokens)
         m.generation_tokens.inc(completion_tokens)
+        for drafts, drafted, kept in job.drafts.values():
+            m.spec_drafts.inc(drafts)
+            m.spec_draft_tokens.inc(drafted)
+            m.spec_accepted_tokens.inc(kept)
         m.latency.observe(latency)
         if job.ttft_s is not None:
             m.ttft.observe(job.ttft_s)

@@ -65,6 +65,41 @@ class Constraint:
         """Advance past a sampled token; False (state unchanged) if the grammar forbids it."""
         return bool(self._matcher.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens (a speculative draft's, once checked)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def masks_along(self, draft: Sequence[int], vocab_size: int) -> list[FixedMask]:
+        """The next-token mask before each draft token and after the whole draft (len(draft) + 1
+        rows: what a plain decode would mask at each step if the draft were its output). The
+        draft must be one the grammar accepts (DraftProposer cuts it so); the state is left as
+        it was."""
+        masks = []
+        for i in range(len(draft) + 1):
+            bitmask = _xgrammar().allocate_token_bitmask(1, vocab_size)  # all allowed
+            if not self._matcher.is_terminated():  # past the end: the row's token is dropped
+                self._matcher.fill_next_token_bitmask(bitmask, 0)
+            masks.append(FixedMask(bitmask[0]))
+            if i < len(draft) and not self._matcher.accept_token(draft[i]):
+                raise ValueError(f"draft token {draft[i]} breaks the grammar")
+        self.rollback(len(draft))
+        return masks
+
+
+class FixedMask:
+    """A next-token mask taken at one point of a grammar (Constraint.masks_along): what the
+    sampler masks a draft's row with."""
+
+    __slots__ = ("_words",)
+    is_terminated = False  # a draft never runs past the grammar's end (DraftProposer)
+
+    def __init__(self, words: torch.Tensor):
+        self._words = words  # [vocab words] int32 bits
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self._words)
+
 
 class StructuredOutputCompiler:
     """Owns the tokenizer's vocabulary as xgrammar sees it and the compiled grammars by spec."""
@@ -127,7 +162,7 @@ class StructuredOutputCompiler:
 
 
 def allowed_token_masks(
-    constraints: Sequence[Constraint], vocab_size: int, device: torch.device
+    constraints: Sequence[Constraint | FixedMask], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """[n, vocab_size] bool: True where constraint i allows the token next."""
     xgr = _xgrammar()

@@ -26,7 +26,7 @@ def request(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
 def run_step(scheduler: Scheduler, token: int = 7):
     """Schedule, pretend the model sampled `token` for every sampling sequence, update."""
     out = scheduler.schedule()
-    sampled = {s.request_id: token for s in out.sequences if s.needs_sample}
+    sampled = {s.request_id: [token] for s in out.sequences if s.needs_sample}
     scheduler.update_from_output(out, sampled)
     return out
 
@@ -44,7 +44,7 @@ def test_request_shares_the_prefix_blocks_another_computes_in_the_same_step():
     assert b.block_table[:5] == a.block_table[:5]
     assert b.block_table[5] != a.block_table[5]
     scheduler.kv.check_invariants()
-    scheduler.update_from_output(first, {"a": 7, "b": 7})
+    scheduler.update_from_output(first, {"a": [7], "b": [7]})
     scheduler.kv.check_invariants()  # a committed the shared blocks; b holds them, uncommitted
     c = request("c", shared + [5, 6])
     assert scheduler.kv.get_computed_blocks(c).num_tokens == 20  # published after the step
@@ -74,7 +74,7 @@ def test_a_block_completed_by_a_single_token_is_not_shared_in_its_step():
     # Sharing would make a step of one-token sequences only, which the fused decode path runs
     # writing each sequence's slot as it attends: b waits for the block to commit instead.
     assert [(s.request_id, len(s.token_ids)) for s in first.sequences] == [("a", 1)]
-    scheduler.update_from_output(first, {"a": 7})
+    scheduler.update_from_output(first, {"a": [7]})
     b = next(s for s in scheduler.schedule().sequences if s.request_id == "b")
     assert b.num_computed_tokens == 8
 

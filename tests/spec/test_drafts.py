@@ -1,0 +1,144 @@
+"""Draft sources (kvmemo/spec): what ngram and suffix propose, the suffix index's tenant scope
+and memory bound, and the verification rule's distribution."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from kvmemo.engine.draft_verify import accepted, draft_rows
+from kvmemo.engine.sampler import Sampler
+from kvmemo.engine.scheduler_output import ScheduledSequence
+from kvmemo.sampling import SamplingParams
+from kvmemo.spec.ngram import ngram_draft
+from kvmemo.spec.suffix import SuffixIndex
+
+
+def test_ngram_takes_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 6, 0, 7, 2, 3]
+    # Tail (7, 2, 3) occurs once before, at 5..7: the draft is what followed it.
+    assert ngram_draft(tokens, 3, 2, 4) == [4, 5, 6]
+    # min_n 1 with max_n 1: the latest earlier 3 (at index 7) wins over the first.
+    assert ngram_draft(tokens, 2, 1, 1) == [4, 5]
+    assert ngram_draft([5, 6, 7, 8], 4, 2, 3) == []  # no repeat
+    assert ngram_draft(tokens, 0, 2, 3) == []
+
+
+def _index(**overrides) -> SuffixIndex:
+    settings = dict(max_depth=24, max_spec_factor=1.0, min_token_prob=0.1, max_sequences=100,
+                    max_tokens=10_000)
+    settings.update(overrides)
+    return SuffixIndex(**settings)
+
+
+def test_suffix_follows_the_majority_and_stays_in_its_salt():
+    index = _index()
+    for tail in ([50, 51, 52, 53], [50, 51, 52, 53], [50, 51, 60, 61]):
+        index.add([1, 2, 3, 4, 10, 11, *tail], "a")
+    context = [7, 3, 4, 10, 11]
+    # Three matches of (3, 4, 10, 11); two of three go on 50, 51, 52, 53.
+    assert index.draft(context, "a", 8)[:4] == [50, 51, 52, 53]
+    assert index.draft(context, "b", 8) == []  # another tenant's corpus is never read
+    assert index.draft(context, None, 8) == []
+    # The draft is at most max_spec_factor x the match length (4 tokens matched here).
+    assert len(_index(max_spec_factor=0.5).draft(context, "a", 8)) == 0
+    capped = _index(max_spec_factor=0.5)
+    capped.add([1, 2, 3, 4, 10, 11, 50, 51, 52, 53], "a")
+    assert capped.draft(context, "a", 8) == [50, 51]
+
+
+def test_suffix_stops_where_the_matches_disagree():
+    index = _index(min_token_prob=0.6)
+    index.add([1, 2, 3, 4, 5, 6], "s")
+    index.add([1, 2, 3, 4, 5, 7], "s")
+    index.add([1, 2, 3, 8, 9, 9], "s")
+    # After (1, 2, 3): 4 in 2 of 3 (0.67 >= 0.6), then 5 in 2 of 2, then 6 or 7 (0.5): stop.
+    assert index.draft([1, 2, 3], "s", 8) == [4, 5]
+
+
+def test_suffix_index_memory_stays_within_its_bounds():
+    rng = random.Random(0)
+    index = _index(max_tokens=5_000, max_sequences=40)
+    for n in range(300):
+        salt = f"tenant-{n % 3}"
+        index.add([rng.randrange(1000) for _ in range(rng.randrange(20, 200))], salt)
+        assert index.num_tokens <= 5_000 and index.num_sequences <= 40
+    # The bigram lists hold only live positions (dropped sequences leave nothing behind).
+    live = sum(len(c.sequences) for c in index._corpora.values())
+    assert live == index.num_sequences
+    entries = sum(len(v) for c in index._corpora.values() for v in c.bigram_ends.values())
+    assert entries <= index.num_tokens
+
+
+def _seq(draft: tuple[int, ...], params: SamplingParams) -> ScheduledSequence:
+    return ScheduledSequence(
+        request_id="r", token_ids=[0, *draft], num_computed_tokens=10, block_table=[0],
+        needs_sample=True, sampling_params=params, num_output_tokens=0, draft_token_ids=draft,
+    )
+
+
+def test_verification_keeps_the_target_distribution():
+    """Unseeded: the kept tokens of a drafted step are distributed as sequential sampling from
+    each row's distribution (the rejection rule), checked by chi-square over the outcomes."""
+    torch.manual_seed(0)
+    vocab, draft = 5, (1, 3)
+    logits = torch.randn(3, vocab) * 1.5  # rows: before d0, after d0, after d0 d1
+    probs = torch.softmax(logits, dim=-1)
+    params = SamplingParams(temperature=1.0)
+    rows = draft_rows(_seq(draft, params), vocab)
+    sampler = Sampler(seed=1, device="cpu")
+    trials = 6000
+    seen = Counter()
+    for _ in range(trials):
+        tokens = sampler.sample(logits, [r.sampling_params for r in rows],
+                                [r.num_output_tokens for r in rows])
+        seen[tuple(accepted(draft, [t.token_id for t in tokens]))] += 1
+    expected = {}
+    for t0 in range(vocab):
+        if t0 != draft[0]:
+            expected[(t0,)] = float(probs[0, t0])
+            continue
+        for t1 in range(vocab):
+            if t1 != draft[1]:
+                expected[(t0, t1)] = float(probs[0, t0] * probs[1, t1])
+                continue
+            for t2 in range(vocab):
+                expected[(t0, t1, t2)] = float(probs[0, t0] * probs[1, t1] * probs[2, t2])
+    outcomes = sorted(expected)
+    assert set(seen) <= set(outcomes)
+    assert _chi_square_p_above_001(
+        [seen[o] for o in outcomes], [expected[o] * trials for o in outcomes]
+    ), (seen, expected)
+
+
+def _chi_square_p_above_001(observed: list[int], expected: list[float]) -> bool:
+    """Pearson's test: True unless p < 0.001. Outcomes expected fewer than 5 times are pooled;
+    the critical value is Wilson and Hilferty's approximation (z = 3.09 for p = 0.001)."""
+    small = [i for i, e in enumerate(expected) if e < 5]
+    obs = [o for i, o in enumerate(observed) if i not in small] + [sum(observed[i] for i in small)]
+    exp = [e for i, e in enumerate(expected) if i not in small] + [sum(expected[i] for i in small)]
+    if not small:
+        obs, exp = obs[:-1], exp[:-1]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+    return statistic < critical
+
+
+@pytest.mark.parametrize("drafted", [(), (4,), (4, 4, 2)])
+def test_a_drafts_rows_are_its_plain_steps(drafted):
+    params = SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.1)
+    seq = _seq(drafted, params)
+    seq = ScheduledSequence(**{**{f: getattr(seq, f) for f in seq.__slots__},
+                               "token_history": ([1, 2], [7])})
+    rows = draft_rows(seq, 8)
+    assert [r.num_output_tokens for r in rows] == list(range(len(drafted) + 1))
+    assert [list(r.token_history[1]) for r in rows] == [
+        [7, *drafted[:j]] for j in range(len(drafted) + 1)
+    ]
+    assert accepted(drafted, [*drafted, 6]) == [*drafted, 6]
+    if drafted:
+        assert accepted(drafted, [drafted[0] + 1, *drafted]) == [drafted[0] + 1]

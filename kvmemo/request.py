@@ -108,6 +108,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafts: int = 0  # steps that verified a draft
     num_draft_tokens: int = 0  # drafted tokens verified so far
+    num_rejected_drafts: int = 0  # steps whose draft was cut short
     num_accepted_tokens: int = 0  # of those, kept
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,8 +34,9 @@ from kvmemo.kv.hybrid import HybridKVCacheManager
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.layers.linear import KernelChoice
-from kvmemo.model.loading.loader import LoadedModel, load_model
+from kvmemo.model.loading.loader import LoadedModel, load_model, resolve_weights_mode
 from kvmemo.model.models.llama_fast import prepare as prepare_model
+from kvmemo.spec.policy import cost_table
 from kvmemo.spec.proposer import DraftProposer
 from kvmemo.units import parse_size_bytes
 
@@ -157,10 +159,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.max_num_seqs, arch.num_attention_heads,
         )
     outputs = OutputProcessor(loaded.tokenizer, processor.reply_tokens, scheduler.finish_request)
-    drafts = (
-        DraftProposer(config.speculative_config, max_model_len)
-        if config.speculative_config is not None else None
-    )
+    drafts = None
+    if config.speculative_config is not None:
+        weights = resolve_weights_mode(config.weights, Path(loaded.path), str(device))
+        drafts = DraftProposer(config.speculative_config, max_model_len,
+                               cost_table(device.type, weights))
     logger.info(
         "engine ready in %.1f s on %s (linear kernels: decode %s, prefill %s)",
         time.perf_counter() - start, device, linear_kernels.decode, linear_kernels.prefill,

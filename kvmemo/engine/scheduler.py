@@ -394,6 +394,7 @@ class Scheduler:
                     request.num_drafts += 1
                     request.num_draft_tokens += num_drafted
                     request.num_accepted_tokens += len(tokens) - 1
+                    request.num_rejected_drafts += len(tokens) - 1 < num_drafted
                 for n, token in enumerate(tokens):
                     if n:  # the KV of the kept draft token before it was computed this step
                         request.num_computed_tokens += 1

@@ -4,18 +4,23 @@ produce (max_tokens, the context, a stop token, its grammar)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvmemo.request import Request
 from kvmemo.spec.config import SpeculativeConfig
 from kvmemo.spec.ngram import ngram_draft
+from kvmemo.spec.policy import CPU_NATIVE_COST, acceptance, best_length
 from kvmemo.spec.suffix import SuffixIndex
 
 
 class DraftProposer:
     """Owns the suffix index (method "suffix") and the per-step draft of each request."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 cost: Sequence[float] = CPU_NATIVE_COST):
         self.config = config
         self.max_model_len = max_model_len
+        self.cost = tuple(cost)  # a step verifying k drafts, in plain steps (policy.py)
         self.suffix = (
             SuffixIndex(
                 max_depth=config.suffix_decoding_max_tree_depth,
@@ -40,13 +45,20 @@ class DraftProposer:
         )
         if room <= 0:
             return []
+        confidence = 0.0
         if self.suffix is not None:
-            draft = self.suffix.draft(request.all_token_ids, request.cache_salt, room)
+            draft, confidence = self.suffix.draft_with_confidence(
+                request.all_token_ids, request.cache_salt, room
+            )
         else:
             draft = ngram_draft(
                 request.all_token_ids, room, self.config.lookup_min, self.config.lookup_max
             )
-        return _within_rules(request, draft)
+        draft = _within_rules(request, draft)
+        # How far to verify: the request's acceptance so far, or the draft's own confidence.
+        rate = max(acceptance(request.num_accepted_tokens, request.num_rejected_drafts),
+                   confidence)
+        return draft[: best_length(len(draft), rate, self.cost)]
 
     def finished(self, request: Request) -> None:
         """A request ended: its prompt and output join the suffix corpus of its cache_salt."""

@@ -126,8 +126,15 @@ class SuffixIndex:
         salt's corpus and in the context itself), while the share of matches agreeing on each
         next token, multiplied along the draft, stays >= min_token_prob; at most max_tokens and
         max_spec_factor x the match length."""
+        return self.draft_with_confidence(context, cache_salt, max_tokens)[0]
+
+    def draft_with_confidence(
+        self, context: Sequence[int], cache_salt: str | None, max_tokens: int
+    ) -> tuple[list[int], float]:
+        """The draft, and how likely each of its tokens is to be kept: m / (m + 1) for a match
+        of m tokens whose every occurrence went on the same way (a replay), else 0 (unknown)."""
         if max_tokens <= 0 or len(context) < 3:
-            return []
+            return [], 0.0
         own = np.asarray(context, dtype=np.int64)
         a, b = int(own[-2]), int(own[-1])
         found: list[tuple[np.ndarray, int]] = []
@@ -137,7 +144,7 @@ class SuffixIndex:
         ends = np.flatnonzero((own[:-2] == a) & (own[1:-1] == b)) + 2
         found.extend((own, int(e)) for e in ends[::-1][:_MAX_CANDIDATES])
         if not found:
-            return []
+            return [], 0.0
         depth = min(self.max_depth, len(own))
         lengths = [_match_length(seq, end, own, depth) for seq, end in found]
         best = max(lengths)
@@ -156,7 +163,7 @@ class SuffixIndex:
                 break
             draft.append(token)
             matches = [(s, e) for s, e in matches if e + step < len(s) and s[e + step] == token]
-        return draft
+        return draft, (best / (best + 1) if score == 1.0 else 0.0)
 
 
 def _match_length(seq: np.ndarray, end: int, context: np.ndarray, depth: int) -> int:

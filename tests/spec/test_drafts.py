@@ -142,3 +142,16 @@ def test_a_drafts_rows_are_its_plain_steps(drafted):
     assert accepted(drafted, [*drafted, 6]) == [*drafted, 6]
     if drafted:
         assert accepted(drafted, [drafted[0] + 1, *drafted]) == [drafted[0] + 1]
+
+
+def test_the_policy_verifies_long_drafts_only_when_they_are_likely_kept():
+    from kvmemo.spec.policy import CPU_NATIVE_COST, GPU_COST, acceptance, best_length
+
+    # A fifth row costs a second pass of the CPU's int8 tiles: only near-certain drafts pay.
+    assert best_length(16, 0.1, CPU_NATIVE_COST) == 0
+    assert best_length(16, 0.8, CPU_NATIVE_COST) == 3
+    assert best_length(16, 0.99, CPU_NATIVE_COST) == 16
+    assert best_length(16, 0.8, GPU_COST) > 3  # a GPU reads the weights once for any few rows
+    assert best_length(2, 0.99, CPU_NATIVE_COST) == 2  # never past the draft
+    assert acceptance(0, 0) == pytest.approx(0.7)  # the prior
+    assert acceptance(90, 2) > 0.9 > acceptance(5, 10)

@@ -1,0 +1,61 @@
+"""How many drafted tokens a step verifies: the length whose expected kept tokens per unit of
+step cost is highest, from the request's acceptance so far and what k + 1 rows cost here.
+
+A draft of k tokens, each kept with probability a once the ones before it were, yields
+1 + a + ... + a^k tokens for a step that costs C(k) plain decode steps. On a CPU the int8
+kernels compute x rows in tiles of four, and a fifth row starts a pass over unpacked weights:
+C(k) climbs by steps, so a draft is worth verifying whole only when it is very likely kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# One step verifying k drafted tokens, in plain decode steps (k = 0, 1, ...), SmolLM2-135M at a
+# 512-token context, 2 cores, Sapphire Rapids, native ISA (benchmarks/micro/bench_spec_verify.py;
+# docs/benchmarks.md), made non-decreasing. Past the table: its last slope.
+CPU_NATIVE_COST = (1.00, 1.17, 1.33, 1.46, 2.47, 2.55, 2.62, 2.62, 2.94, 3.04, 3.24, 3.48,
+                   4.05, 4.05, 4.11, 4.14, 4.28)
+CPU_DENSE_COST = (1.00, 1.15, 1.22, 1.55, 1.63, 1.67, 1.82, 1.89, 1.91, 2.02, 2.03, 2.17,
+                  2.24, 2.31, 2.54, 2.54, 2.68)
+# A GPU's decode step reads the weights once for any few rows.
+GPU_COST = tuple(1.0 + 0.02 * k for k in range(17))
+
+# What a request's acceptance is taken to be before its drafts are judged, and how many
+# drafted tokens' worth of weight that guess carries.
+PRIOR_ACCEPTANCE = 0.7
+PRIOR_WEIGHT = 4.0
+
+
+def cost_table(device_type: str, weights: str) -> tuple[float, ...]:
+    if device_type != "cpu":
+        return GPU_COST
+    return CPU_NATIVE_COST if weights == "native" else CPU_DENSE_COST
+
+
+def relative_cost(k: int, table: Sequence[float]) -> float:
+    if k < len(table):
+        return table[k]
+    slope = table[-1] - table[-2]
+    return table[-1] + slope * (k - len(table) + 1)
+
+
+def acceptance(num_accepted: int, num_rejected_drafts: int) -> float:
+    """Per-token acceptance: kept tokens over kept tokens plus the drafts cut short (each
+    rejection ends one run of kept tokens), with the prior's weight."""
+    return (num_accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (
+        num_accepted + num_rejected_drafts + PRIOR_WEIGHT
+    )
+
+
+def best_length(limit: int, rate: float, table: Sequence[float]) -> int:
+    """The k in [0, limit] with the most expected tokens per unit of cost (0: no draft)."""
+    best, best_value = 0, 1.0
+    expected, term = 1.0, 1.0
+    for k in range(1, limit + 1):
+        term *= rate
+        expected += term
+        value = expected / relative_cost(k, table)
+        if value > best_value:
+            best, best_value = k, value
+    return best

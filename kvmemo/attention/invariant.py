@@ -14,10 +14,12 @@ so a prompt's last token would differ between a cold prefill and a decode-sized 
 cache hit. The price is prefill attention speed (the decode kernel reads a tile per query where
 flash reads it per six); docs/benchmarks.md has the figures.
 
+A sliding window is each row's first key (kv_starts): the row's tiles start there, then at page
+boundaries, all fixed by the row's own position (the tables are cropped by whole pages), so a
+windowed row too gets the same bits in any step.
+
 Steps this plan cannot serve return None from RowPlan.build and take the backend's other paths:
-no C compiler, a head size or group the kernel's buffers do not take, a non-CPU device, and a
-sliding window that hides keys of some query in the step (the kernel reads every key it is
-given; a window that hides nothing is no window).
+no C compiler, a head size or group the kernel's buffers do not take, a non-CPU device.
 """
 
 from __future__ import annotations
@@ -39,27 +41,32 @@ class RowPlan:
     kernel: DecodeKernel
     metadata: AttentionMetadata
     table_rows: torch.Tensor | None  # [T] int64: the sequence of each row; None: row t is seq t
-    kv_lens: torch.Tensor  # [T] int64: keys row t sees (its position + 1)
+    kv_lens: torch.Tensor  # [T] int64: keys up to row t's own (its position + 1, in the table)
+    kv_starts: torch.Tensor | None  # [T] int64: row t's first key (a sliding window); None: 0
 
     @classmethod
     def build(cls, metadata: AttentionMetadata, kv_cache: PagedKVCache,
               q: torch.Tensor) -> RowPlan | None:
         """The step's plan (q: any layer's queries, for their head count), or None."""
-        window = metadata.sliding_window
-        if window is not None and max(metadata.seq_lens, default=0) > window:
-            return None
         kernel = load_decode_kernel()
         if kernel is None or not kernel.supports(q, kv_cache.k_pages[0], kv_cache.v_pages[0]):
             return None
         if all(n == 1 for n in metadata.query_lens):  # a decode step: row s is sequence s
-            return cls(kernel, metadata, None, metadata.seq_lens_t.contiguous())
-        query_lens = metadata.query_lens_t
-        table_rows = torch.repeat_interleave(torch.arange(metadata.num_seqs), query_lens)
-        # row i of sequence s (of n new tokens, L keys in all) sees L - n + i + 1 keys
-        first = torch.repeat_interleave(metadata.seq_lens_t - query_lens, query_lens)
-        offsets = torch.arange(len(table_rows)) - torch.repeat_interleave(
-            torch.tensor(metadata.query_start_loc[:-1]), query_lens)
-        return cls(kernel, metadata, table_rows, (first + offsets + 1).contiguous())
+            table_rows, kv_lens = None, metadata.seq_lens_t.contiguous()
+        else:
+            query_lens = metadata.query_lens_t
+            table_rows = torch.repeat_interleave(torch.arange(metadata.num_seqs), query_lens)
+            # row i of sequence s (of n new tokens, L keys in all) sees L - n + i + 1 keys
+            first = torch.repeat_interleave(metadata.seq_lens_t - query_lens, query_lens)
+            offsets = torch.arange(len(table_rows)) - torch.repeat_interleave(
+                torch.tensor(metadata.query_start_loc[:-1]), query_lens)
+            kv_lens = (first + offsets + 1).contiguous()
+        window = metadata.sliding_window
+        kv_starts = None
+        if window is not None and max(metadata.seq_lens, default=0) > window:
+            # the row at key index L - 1 sees keys L - window .. L - 1
+            kv_starts = (kv_lens - window).clamp_(min=0).contiguous()
+        return cls(kernel, metadata, table_rows, kv_lens, kv_starts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: PagedKVCache, scale: float) -> torch.Tensor:
@@ -73,9 +80,10 @@ class RowPlan:
             # The write folded into the same per-query loop (fp32 in and out: the loop reads
             # q as the unfused call does, so both give the same bits).
             return kernel.write_and_decode(q, k, v, metadata.slot_mapping, k_pages, v_pages,
-                                           tables, None, self.kv_lens, scale, split=False)
+                                           tables, None, self.kv_lens, scale, split=False,
+                                           kv_starts=self.kv_starts)
         kv_cache.write(layer, k, v, metadata.slot_mapping)  # first: rows see their own keys
         folded = fold_fp8_query(q, kv_cache, layer)
         out = kernel(folded, k_pages, v_pages, tables, self.table_rows, 0, self.kv_lens, scale,
-                     split=False)[0]
+                     split=False, kv_starts=self.kv_starts)[0]
         return unfold_fp8_output(out, kv_cache, layer)

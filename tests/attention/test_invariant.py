@@ -20,7 +20,7 @@ SCALE = HEAD_DIM**-0.5
 PROMPT = 70
 
 
-def _run(batch, chunks: list[int], neighbour: bool) -> torch.Tensor:
+def _run(batch, chunks: list[int], neighbour: bool, window: int | None = None) -> torch.Tensor:
     """Sequence 0's 70 queries fed in `chunks` (fresh pages each time); with `neighbour`,
     sequence 1 (40 cached tokens) decodes one token beside each chunk. Returns [70, Hq, D]."""
     block_size = batch.metadata.block_size
@@ -31,7 +31,7 @@ def _run(batch, chunks: list[int], neighbour: bool) -> torch.Tensor:
         md = AttentionMetadata.build(
             block_tables=[tables[s] for s in seqs],
             num_computed_tokens=[start, 40 + step][: len(seqs)], query_lens=[n, 1][: len(seqs)],
-            block_size=block_size, num_cache_blocks=batch.cache.num_blocks,
+            block_size=block_size, num_cache_blocks=batch.cache.num_blocks, sliding_window=window,
         )
         rows = list(range(start, start + n)) + ([PROMPT + step] if neighbour else [])
         k = torch.cat([batch.full_k[0][start:start + n]]
@@ -51,6 +51,24 @@ def test_a_query_is_the_same_bits_in_any_step(dtype) -> None:
                               ([1] * PROMPT, False), ([64, 6], False)):
         got = _run(batch, chunks, neighbour)
         assert torch.equal(got, whole), f"chunks {chunks}, neighbour {neighbour}"
+
+
+def test_a_windowed_query_is_the_same_bits_in_any_step() -> None:
+    """A sliding window (20 keys, pages of 8, so windows start mid-page): each row starts at its
+    own first key whatever step computes it; the values are dense windowed attention's."""
+    batch = make_batch(cached=[0, 40], new=[PROMPT, 6], group=3, block_size=8)
+    whole = _run(batch, [PROMPT], neighbour=False, window=20)
+    for chunks, neighbour in (([PROMPT], True), ([23, 1, 16, 9, 21], True), ([1] * PROMPT, False)):
+        assert torch.equal(_run(batch, chunks, neighbour, window=20), whole), chunks
+    k, v = batch.full_k[0].float(), batch.full_v[0].float()
+    group = batch.q.shape[1] // k.shape[1]
+    for p in (5, 19, 20, 37, 69):
+        keys = slice(max(0, p - 19), p + 1)
+        kk = k[keys].repeat_interleave(group, dim=1)  # [n, Hq, D]
+        vv = v[keys].repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", batch.q[p].float(), kk) * SCALE, -1)
+        expected = torch.einsum("hn,nhd->hd", weights, vv)
+        torch.testing.assert_close(whole[p].float(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_split_over_threads_is_off() -> None:

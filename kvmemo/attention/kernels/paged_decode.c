@@ -1,7 +1,7 @@
 /* Paged decode attention for CPU: one query token per sequence, K/V read in place from pages.
  *
- * Invariant: equals softmax(scale * q . K^T) V over the first kv_lens[b] keys of sequence b, the
- * keys being block_tables[row_b][first_block + t / bs] slot t % bs of the head-major pages
+ * Invariant: equals softmax(scale * q . K^T) V over keys kv_starts[b] (0 without kv_starts: a
+ * sliding window's first visible key) to kv_lens[b] - 1 of sequence b, the keys being block_tables[row_b][first_block + t / bs] slot t % bs of the head-major pages
  * [Hkv, num_blocks, bs, D]. No gather: each (sequence, kv head) walks its own pages, converts a
  * tile of at most TILE keys to fp32 in L1 and keeps an online softmax, so K and V cross memory
  * once (a gather reads them, writes a copy, then SDPA reads the copy again). The G = Hq / Hkv
@@ -378,14 +378,15 @@ static inline void prefetch_tile(const void *k_pages, const void *v_pages, int d
  * (bf16_scores), times qscale = scale * log2 e. */
 static inline __attribute__((always_inline)) void attend_one(
     const float *qs, const uint16_t *q16, float qscale, const void *k_pages, const void *v_pages,
-    int dtype, const int64_t *table, int64_t kv_len, int64_t head_offset, int64_t bs, int G,
-    const int64_t D, float *out, float *lse, int64_t lse_stride, const float *o_init,
-    const float *lse_init) {
+    int dtype, const int64_t *table, int64_t kv_start, int64_t kv_len, int64_t head_offset,
+    int64_t bs, int G, const int64_t D, float *out, float *lse, int64_t lse_stride,
+    const float *o_init, const float *lse_init) {
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_GROUP * TILE];
     float acc[MAX_GROUP * MAX_D], m[MAX_GROUP], l[MAX_GROUP];
     for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
     const int64_t step = bs < TILE ? bs : TILE;
-    for (int64_t first = 0; first < kv_len && first < PREFETCH_TILES * step; first += step)
+    for (int64_t first = kv_start; first < kv_len && first < kv_start + PREFETCH_TILES * step;
+         first += step)
         prefetch_tile(k_pages, v_pages, dtype, table, first, kv_len, head_offset, bs, D);
     memset(acc, 0, sizeof(float) * G * D);
     /* Attention over earlier keys (o_init, lse_init: a cascade's shared prefix) is the online
@@ -396,7 +397,8 @@ static inline __attribute__((always_inline)) void attend_one(
         l[g] = 1.0f;
         memcpy(acc + g * D, o_init + g * D, sizeof(float) * (size_t)D);
     }
-    for (int64_t start = 0, n = 0; start < kv_len; start += n) {
+    /* Tiles start at kv_start, then at page boundaries: fixed by the query's own position. */
+    for (int64_t start = kv_start, n = 0; start < kv_len; start += n) {
         int64_t block = start / bs, in_block = start % bs;
         n = kv_len - start;
         if (n > TILE) n = TILE;
@@ -513,13 +515,16 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                         int64_t kv_stride, int io, const int64_t *slots, const void *k_pages,
                         const void *v_pages, int dtype, const int64_t *block_tables,
                         int64_t table_stride, const int64_t *table_rows, int64_t first_block,
-                        const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t bs, int64_t num_blocks, float scale, void *out, float *lse,
-                        const float *o_init, const float *lse_init, int split) {
+                        const int64_t *kv_lens, const int64_t *kv_starts, int64_t B, int64_t Hq,
+                        int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
+                        void *out, float *lse, const float *o_init, const float *lse_init,
+                        int split) {
     int G = (int)(Hq / Hkv);
     if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
     const int64_t io_bytes = io ? 2 : 4;
-    const int64_t items = B * Hkv, parts = parts_per_item(items, kv_lens, B, bs, split);
+    /* A window's start is a key, not a page: its keys are never split into parts. */
+    const int64_t items = B * Hkv,
+                  parts = parts_per_item(items, kv_lens, B, bs, split && !kv_starts);
     /* Parts: each item's o [parts][G][D] and lse [parts][G] (fp32), merged after the loop. */
     float *part_o = NULL, *part_lse = NULL;
     if (parts > 1) {
@@ -552,7 +557,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
             const float *qb = to_f32(q, b * q_stride + h * G * D, G * D, io, qs);
             for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
             const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
-            int64_t kv_len = kv_lens[b];
+            int64_t kv_len = kv_lens[b], kv_start = kv_starts ? kv_starts[b] : 0;
             float *ob, *lb;
             const float *oi = 0, *li = 0;
             if (parts > 1) {
@@ -579,11 +584,11 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
             const float qscale = scale * LOG2E;
             /* Constant D lets the compiler unroll the dot products and V updates fully. */
             if (D == 64)
-                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 64, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, G, 64, ob, lb, 1, oi, li);
             else if (D == 128)
-                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, 128, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, G, 128, ob, lb, 1, oi, li);
             else
-                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_len, head_offset, bs, G, D, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, G, D, ob, lb, 1, oi, li);
             if (io && parts == 1) store_io(o32, io, G * D, (char *)out + (b * Hq + h * G) * D * io_bytes);
         }
         if (parts > 1) {
@@ -625,15 +630,16 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
 /* Returns 0, 1 when D or the group exceeds the fixed tile buffers (the caller falls back), or
  * 3 when the split's scratch could not be allocated. split = 0: never split a query's keys over
  * threads (flash-decoding's merge is other arithmetic than one pass), so each query's output
- * is a function of its own keys alone: batch-invariant. */
+ * is a function of its own keys alone: batch-invariant. kv_starts (or NULL): each query's first
+ * key (a sliding window's), counted as kv_lens are; with it keys are never split. */
 int kvmemo_paged_decode(const float *q, const void *k_pages, const void *v_pages, int dtype,
                         const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
-                        int64_t first_block, const int64_t *kv_lens, int64_t B, int64_t Hq,
-                        int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks, float scale,
-                        float *out, float *lse, int split) {
+                        int64_t first_block, const int64_t *kv_lens, const int64_t *kv_starts,
+                        int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                        int64_t num_blocks, float scale, float *out, float *lse, int split) {
     return paged_decode(q, Hq * D, NULL, NULL, 0, 0, NULL, k_pages, v_pages, dtype, block_tables,
-                        table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv, D, bs,
-                        num_blocks, scale, out, lse, NULL, NULL, split);
+                        table_stride, table_rows, first_block, kv_lens, kv_starts, B, Hq, Hkv, D,
+                        bs, num_blocks, scale, out, lse, NULL, NULL, split);
 }
 
 /* A decode step's attention for one layer with its KV write folded in: sequence b's new key and
@@ -648,13 +654,13 @@ int kvmemo_paged_decode_write(const void *q, int64_t q_stride, const void *k_new
                               const void *v_new, int64_t kv_stride, int io, const int64_t *slots,
                               void *k_pages, void *v_pages, int dtype, const int64_t *block_tables,
                               int64_t table_stride, const int64_t *table_rows, int64_t first_block,
-                              const int64_t *kv_lens, int64_t B, int64_t Hq, int64_t Hkv,
-                              int64_t D, int64_t bs, int64_t num_blocks, float scale,
-                              const float *o_prefix, const float *lse_prefix, void *out,
-                              int split) {
+                              const int64_t *kv_lens, const int64_t *kv_starts, int64_t B,
+                              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t num_blocks,
+                              float scale, const float *o_prefix, const float *lse_prefix,
+                              void *out, int split) {
     if ((dtype != KV_F32 && dtype != KV_BF16) || (io != 0 && io != 1)) return 2;
     if ((o_prefix == NULL) != (lse_prefix == NULL)) return 2; /* a starting state needs both */
     return paged_decode(q, q_stride, k_new, v_new, kv_stride, io, slots, k_pages, v_pages, dtype,
-                        block_tables, table_stride, table_rows, first_block, kv_lens, B, Hq, Hkv,
-                        D, bs, num_blocks, scale, out, NULL, o_prefix, lse_prefix, split);
+                        block_tables, table_stride, table_rows, first_block, kv_lens, kv_starts, B,
+                        Hq, Hkv, D, bs, num_blocks, scale, out, NULL, o_prefix, lse_prefix, split);
 }

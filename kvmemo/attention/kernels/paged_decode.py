@@ -63,6 +63,8 @@ class DecodeKernel:
         scale: float,
         with_lse: bool = False,
         split: bool = True,
+        # [B] int64: each query's first key, counted as kv_lens (a sliding window's); None: 0
+        kv_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention output [B, Hq, D] in q's dtype and, if asked, the fp32 log-sum-exp [B, Hq].
         split=False keeps each query's keys in one pass on one thread (batch-invariant: its
@@ -82,8 +84,9 @@ class DecodeKernel:
         status = self.fn(
             q32.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), KV_DTYPE_CODES[k_pages.dtype],
             tables.data_ptr(), tables.shape[1], None if rows is None else rows.data_ptr(),
-            first_block, lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
-            num_blocks, scale, out.data_ptr(), None if lse is None else lse.data_ptr(), int(split),
+            first_block, lens.data_ptr(), _starts_ptr(kv_starts, batch), batch, num_heads,
+            num_kv_heads, head_dim, block_size, num_blocks, scale, out.data_ptr(),
+            None if lse is None else lse.data_ptr(), int(split),
         )
         if status == 3:
             raise MemoryError("decode kernel: no memory for the split keys' partial results")
@@ -113,6 +116,7 @@ class DecodeKernel:
         # [B, Hq], fp32 contiguous; the result is then attention over both, merged in place.
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
         split: bool = True,
+        kv_starts: torch.Tensor | None = None,  # as __call__'s
     ) -> torch.Tensor:
         """Writes k/v into their slots, then attends as __call__ does: [B, Hq, D] in q's dtype.
         The caller has checked that write_fits()."""
@@ -125,8 +129,9 @@ class DecodeKernel:
             IO_DTYPE_CODES[q.dtype], slots.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(),
             KV_DTYPE_CODES[k_pages.dtype], block_tables.data_ptr(), block_tables.shape[1],
             None if table_rows is None else table_rows.data_ptr(), first_block,
-            kv_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-            scale, None if o_prefix is None else o_prefix.data_ptr(),
+            kv_lens.data_ptr(), _starts_ptr(kv_starts, batch), batch, num_heads, num_kv_heads,
+            head_dim, block_size, num_blocks, scale,
+            None if o_prefix is None else o_prefix.data_ptr(),
             None if lse_prefix is None else lse_prefix.data_ptr(), out.data_ptr(), int(split),
         )
         if status == 3:
@@ -151,6 +156,14 @@ class DecodeKernel:
         )
 
 
+def _starts_ptr(kv_starts: torch.Tensor | None, batch: int) -> int | None:
+    if kv_starts is None:
+        return None
+    if kv_starts.dtype != torch.int64 or not kv_starts.is_contiguous() or len(kv_starts) != batch:
+        raise ValueError("kv_starts must be a contiguous int64 tensor with one entry per query")
+    return kv_starts.data_ptr()
+
+
 @cache
 def load_decode_kernel() -> DecodeKernel | None:
     """The kernel for this machine (built on first use, then cached on disk), or None."""
@@ -160,13 +173,13 @@ def load_decode_kernel() -> DecodeKernel | None:
     fn = library.kvmemo_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [
-        _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p,
+        _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p, _p,
         _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, ctypes.c_int,
     ]
     write_fn = library.kvmemo_paged_decode_write
     write_fn.restype = ctypes.c_int
     write_fn.argtypes = [
         _p, _i64, _p, _p, _i64, ctypes.c_int, _p, _p, _p, ctypes.c_int, _p, _i64, _p, _i64, _p,
-        _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p, ctypes.c_int,
+        _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p, ctypes.c_int,
     ]
     return DecodeKernel(path=Path(library._name), fn=fn, write_fn=write_fn)

@@ -3,7 +3,11 @@ file in the prompt, the reply rewrites it with one change), repeats (a second re
 what an earlier one asked: an agent resending a step), and plain chat (nothing to copy).
 
     python -m benchmarks.micro.bench_spec_decode [--weights native] [--max-tokens 256]
-        [--configs plain,ngram,suffix] [--sets code_edit,repeat,chat]
+        [--configs plain,ngram,suffix] [--sets code_edit,repeat,chat] [--dump-prompts PATH]
+
+--dump-prompts writes the sets' prompts as token ids (the chat template applied, as kvmemo
+sends them) with the GGUF's path, for llama.cpp's run of the same ids
+(benchmarks/peers/llamacpp_spec.py).
 
 Greedy, one request at a time, prompts cached first (the figure is decode: tokens after the
 first over the time after the first). Each config runs in its own engine, the sets in turn;
@@ -16,10 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from benchmarks.machine_info import cpu_label
 from benchmarks.paths import RESULTS
 from kvmemo import LLM, SamplingParams
+from kvmemo.intake.prompt_input import PromptInput
 
 FILES = [
     '''import json
@@ -142,7 +148,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--configs", default="plain,ngram,suffix")
     parser.add_argument("--sets", default="code_edit,repeat,chat")
+    parser.add_argument("--dump-prompts", default=None, metavar="PATH")
     args = parser.parse_args()
+    if args.dump_prompts:
+        llm = LLM(weights=args.weights)
+        sets = {name: [llm.engine.processor.process(PromptInput(messages=chat)).token_ids
+                       for chat in prompts(name)] for name in args.sets.split(",")}
+        data = {"model": llm.engine.loaded.path, "max_tokens": args.max_tokens, "sets": sets}
+        Path(args.dump_prompts).write_text(json.dumps(data))
+        return
     names = args.configs.split(",")
     engines = {n: LLM(weights=args.weights, speculative_config=CONFIGS[n]) for n in names}
     results: dict = {"cpu": cpu_label(), "weights": args.weights, "sets": {}}

@@ -36,6 +36,7 @@ from kvmemo.kv.manager import KVCacheManager
 from kvmemo.model.layers.linear import KernelChoice
 from kvmemo.model.loading.loader import LoadedModel, load_model, resolve_weights_mode
 from kvmemo.model.models.llama_fast import prepare as prepare_model
+from kvmemo.spec.corpus_log import CorpusLog
 from kvmemo.spec.policy import cost_table
 from kvmemo.spec.proposer import DraftProposer
 from kvmemo.units import parse_size_bytes
@@ -163,7 +164,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.speculative_config is not None:
         weights = resolve_weights_mode(config.weights, Path(loaded.path), str(device))
         drafts = DraftProposer(config.speculative_config, max_model_len,
-                               cost_table(device.type, weights))
+                               cost_table(device.type, weights), corpus_log(kv_connector))
     logger.info(
         "engine ready in %.1f s on %s (linear kernels: decode %s, prefill %s)",
         time.perf_counter() - start, device, linear_kernels.decode, linear_kernels.prefill,
@@ -175,3 +176,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
         scheduler=scheduler, beams=beams, blends=blends, runner=runner, outputs=outputs,
         drafts=drafts,
     )
+
+
+def corpus_log(connector: StoreKVConnector | None) -> CorpusLog | None:
+    """The speculative corpus's file beside the disk KV store (in its model namespace's
+    directory), if there is one; 64 MiB at most."""
+    store = connector.store if connector is not None else None
+    for tier in getattr(store, "tiers", [store]):
+        if tier is not None and tier.kind == "disk":
+            return CorpusLog(tier.dir, 64 * 2**20)
+    return None

@@ -255,8 +255,9 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step: schedule -> execute -> update -> process outputs. Returns an output for
-        every request that got a token or finished (as its output kind allows)."""
+        """Run one step: schedule -> execute -> update -> process outputs (-> the next drafts,
+        with speculative decoding on). Returns an output for every request that got tokens or
+        finished (as its output kind allows)."""
         output = self.scheduler.schedule()
         result = self.runner.execute(output)
         self.num_steps += 1

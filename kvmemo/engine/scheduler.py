@@ -131,8 +131,9 @@ class Scheduler:
             if num_new == 0:  # waits for its driver to give it a token (a beam between steps)
                 i += 1
                 continue
-            # A decode verifies its draft in the same step, as far as the budget goes.
-            draft = request.draft_token_ids[: budget - 1] if num_new == 1 else []
+            # A decode verifies its draft in the same step, within its share of the budget.
+            share = min(budget, self.limits.max_num_batched_tokens // len(self.running))
+            draft = request.draft_token_ids[: share - 1] if num_new == 1 else []
             while self.kv.allocate_slots(request, num_new + len(draft)) is None:
                 if draft:  # the draft is a guess: it gives way before any request does
                     draft = []
@@ -143,8 +144,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                if draft:
-                    drafts[request.request_id] = draft
+                drafts[request.request_id] = draft
                 scheduled.append((request, num_new))
                 budget -= num_new + len(draft)
                 i += 1

@@ -4,20 +4,25 @@ produce (max_tokens, the context, a stop token, its grammar)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
-from kvmemo.request import Request
+from kvmemo.request import Request, RequestStatus
 from kvmemo.spec.config import SpeculativeConfig
+from kvmemo.spec.corpus_log import CorpusLog, CorpusRecord
 from kvmemo.spec.ngram import ngram_draft
 from kvmemo.spec.policy import CPU_NATIVE_COST, acceptance, best_length
+from kvmemo.spec.replay import ReplayIndex, replayable, run_key
 from kvmemo.spec.suffix import SuffixIndex
+
+logger = logging.getLogger(__name__)
 
 
 class DraftProposer:
     """Owns the suffix index (method "suffix") and the per-step draft of each request."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 cost: Sequence[float] = CPU_NATIVE_COST):
+                 cost: Sequence[float] = CPU_NATIVE_COST, log: CorpusLog | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.cost = tuple(cost)  # a step verifying k drafts, in plain steps (policy.py)
@@ -31,6 +36,19 @@ class DraftProposer:
             )
             if config.method == "suffix" else None
         )
+        # Whole earlier greedy runs of the same prompt: a suffix corpus's exact replays.
+        self.replays = (
+            ReplayIndex(config.suffix_index_max_tokens) if config.method == "suffix" else None
+        )
+        # The corpus saved beside a disk KV store (suffix only): read back, then appended to.
+        self.log = log if self.suffix is not None else None
+        if self.log is not None:
+            count = 0
+            for record in self.log.read():
+                self._learn(record)
+                count += 1
+            if count:
+                logger.info("speculative corpus: %d sequences from %s", count, self.log.path)
 
     def propose(self, request: Request) -> list[int]:
         """The draft for `request`'s next step ([] for a sequence speculation ignores: a beam,
@@ -45,6 +63,15 @@ class DraftProposer:
         )
         if room <= 0:
             return []
+        if self.replays is not None:
+            # A replay is not capped by num_speculative_tokens: the whole rest of the earlier
+            # run (as far as the step's budget) is one draft, verified in one step.
+            replay = self.replays.draft(request, min(
+                params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            ))
+            if replay:
+                return _within_rules(request, replay)
         confidence = 0.0
         if self.suffix is not None:
             draft, confidence = self.suffix.draft_with_confidence(
@@ -61,9 +88,27 @@ class DraftProposer:
         return draft[: best_length(len(draft), rate, self.cost)]
 
     def finished(self, request: Request) -> None:
-        """A request ended: its prompt and output join the suffix corpus of its cache_salt."""
-        if self.suffix is not None and request.sample_tokens and request.kv_marker is None:
-            self.suffix.add(request.all_token_ids, request.cache_salt)
+        """A request ended: its prompt and output join the suffix corpus of its cache_salt
+        (and the saved corpus); a plain greedy run becomes a replay of its prompt."""
+        if self.suffix is None or not request.sample_tokens or request.kv_marker is not None:
+            return
+        record = CorpusRecord(
+            salt=request.cache_salt,
+            prompt=list(request.prompt_token_ids),
+            output=list(request.output_token_ids),
+            mm_hashes=[item.content_hash for item in request.mm_items],
+            greedy=replayable(request) and request.status != RequestStatus.FINISHED_ABORTED,
+        )
+        self._learn(record)
+        if self.log is not None:
+            self.log.append(record)
+
+    def _learn(self, record: CorpusRecord) -> None:
+        assert self.suffix is not None and self.replays is not None
+        self.suffix.add(record.prompt + record.output, record.salt)
+        if record.greedy:
+            self.replays.add_run(run_key(record.salt, record.prompt, record.mm_hashes),
+                                 record.output)
 
 
 def _within_rules(request: Request, draft: list[int]) -> list[int]:

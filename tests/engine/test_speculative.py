@@ -230,3 +230,24 @@ def test_gemma_sliding_layers(gemma3_gguf):
 
 def _prompt_len(llm, chat) -> int:
     return llm.chat([chat], SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics.num_prompt_tokens
+
+
+def test_a_restarted_engine_replays_from_the_saved_corpus(tmp_path, plain):
+    """The suffix corpus is saved beside the disk KV store: a new engine on the same store
+    replays an earlier greedy answer whole (one draft), and its output is the plain one."""
+    spec = {"method": "suffix", "num_speculative_tokens": 8}
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    want = _tokens(_run(plain, params, chats=[CHAT], prompts=()))
+    first = LLM(num_blocks=256, kv_store=f"disk:{tmp_path}", speculative_config=spec, **DEFAULT)
+    assert _tokens(_run(first, params, chats=[CHAT], prompts=())) == want
+    first.engine.flush_kv_store()
+    del first
+    again = LLM(num_blocks=256, kv_store=f"disk:{tmp_path}", speculative_config=spec, **DEFAULT)
+    out = _run(again, params, chats=[CHAT], prompts=())
+    assert _tokens(out) == want
+    n = len(want[0][0])
+    # One draft of the whole rest, not 8 at a time: every token after the prompt step's is
+    # drafted and kept (but the last, sampled after the draft, when max_tokens ended it).
+    whole = n - 1 if out[0].outputs[0].finish_reason == "stop" else n - 2
+    assert out[0].metrics.num_drafts == 1 and out[0].metrics.num_accepted_tokens == whole
+    assert out[0].metrics.num_cached_tokens > 0  # the prompt's KV came back from the store

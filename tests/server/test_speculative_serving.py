@@ -28,9 +28,9 @@ def test_drafts_show_in_usage_and_metrics():
         )
         assert second.choices[0].message.content == first.choices[0].message.content
         details = second.usage.completion_tokens_details
-        # The first reply is in the suffix index now: the second replays it as drafts, 12 at
-        # a time (the first token comes from the prompt's step, each step adds one more).
-        assert details.accepted_prediction_tokens == 36 and second.usage.completion_tokens == 40
+        # The first reply is a stored greedy run now: the second replays it whole, as one
+        # draft of 38 (the first token comes from the prompt's step, the last one after it).
+        assert details.accepted_prediction_tokens == 38 and second.usage.completion_tokens == 40
         assert details.rejected_prediction_tokens == 0
         stream = client.chat.completions.create(
             model=model, messages=MESSAGES, max_tokens=40, temperature=0, stream=True,

@@ -155,3 +155,54 @@ def test_the_policy_verifies_long_drafts_only_when_they_are_likely_kept():
     assert best_length(2, 0.99, CPU_NATIVE_COST) == 2  # never past the draft
     assert acceptance(0, 0) == pytest.approx(0.7)  # the prior
     assert acceptance(90, 2) > 0.9 > acceptance(5, 10)
+
+
+def test_a_replay_is_the_earlier_greedy_run_of_the_same_prompt():
+    from kvmemo.request import Request, RequestStatus
+    from kvmemo.spec.replay import ReplayIndex
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=50)
+
+    def request(prompt, output=(), salt="a", params=greedy):
+        r = Request("r", list(prompt), params, cache_salt=salt)
+        for t in output:
+            r.append_output_token(t)
+        r.status = RequestStatus.FINISHED_STOPPED
+        return r
+
+    index = ReplayIndex(max_tokens=12)
+    index.add(request([1, 2, 3], [7, 8, 9, 10]))
+    assert index.draft(request([1, 2, 3], [7]), 10) == [8, 9, 10]
+    assert index.draft(request([1, 2, 3], [7, 8]), 1) == [9]
+    assert index.draft(request([1, 2, 3], [6]), 10) == []  # the run went another way
+    assert index.draft(request([1, 2, 3], [7], salt="b"), 10) == []  # another tenant
+    assert index.draft(request([1, 2, 4], [7]), 10) == []
+    sampled = SamplingParams(temperature=0.8, max_tokens=50)
+    assert index.draft(request([1, 2, 3], [7], params=sampled), 10) == []
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.2, max_tokens=50)
+    index.add(request([5, 5], [1, 1], params=penalized))
+    assert len(index) == 1  # a penalised run is not the greedy path
+    index.add(request([4], list(range(10))))  # 14 tokens > 12: the oldest goes
+    assert len(index) == 1 and index.num_tokens == 10
+    assert index.draft(request([1, 2, 3], [7]), 10) == []
+
+
+def test_the_corpus_log_survives_a_restart_and_damage(tmp_path):
+    from kvmemo.spec.corpus_log import CorpusLog, CorpusRecord
+
+    log = CorpusLog(tmp_path, max_bytes=10_000)
+    first = CorpusRecord("a", [1, 2, 3], [4, 5], [b"\x01" * 4], True)
+    second = CorpusRecord(None, [9], [8, 7], [], False)
+    log.append(first)
+    log.append(second)
+    with open(log.path, "ab") as f:
+        f.write(b"0000beef {\"torn\": \n")  # a torn write: skipped, not fatal
+    assert list(CorpusLog(tmp_path, 10_000).read()) == [first, second]
+    for i in range(300):  # past max_bytes: the newest half stays
+        log.append(CorpusRecord("a", [i], [i], [], True))
+    assert log.path.stat().st_size <= 10_000
+    kept = list(log.read())
+    assert kept[-1].prompt == [299] and len(kept) < 300
+    blocked = CorpusLog(tmp_path / "missing" / "dir", 10_000)
+    blocked.append(first)  # cannot write: saving stops, nothing raises
+    assert blocked.paused_reason is not None

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # One step verifying k drafted tokens, in plain decode steps (k = 0, 1, ...), SmolLM2-135M at a
-# 512-token context, 2 cores, Sapphire Rapids, native ISA (benchmarks/micro/bench_spec_verify.py;
-# docs/benchmarks.md), made non-decreasing. Past the table: its last slope.
-CPU_NATIVE_COST = (1.00, 1.17, 1.33, 1.46, 2.47, 2.55, 2.62, 2.62, 2.94, 3.04, 3.24, 3.48,
-                   4.05, 4.05, 4.11, 4.14, 4.28)
-CPU_DENSE_COST = (1.00, 1.15, 1.22, 1.55, 1.63, 1.67, 1.82, 1.89, 1.91, 2.02, 2.03, 2.17,
-                  2.24, 2.31, 2.54, 2.54, 2.68)
+# 512-token context, 2 cores, Sapphire Rapids, native ISA: the mean of two sittings of
+# benchmarks/micro/bench_spec_verify.py (docs/benchmarks.md), made non-decreasing. Past the
+# table: its last slope.
+CPU_NATIVE_COST = (1.00, 1.23, 1.35, 1.54, 2.38, 2.55, 2.70, 2.77, 3.08, 3.40, 3.45, 3.56,
+                   4.10, 4.21, 4.43, 4.48, 4.60)
+CPU_DENSE_COST = (1.00, 1.12, 1.22, 1.56, 1.56, 1.59, 1.76, 1.80, 1.86, 1.99, 2.04, 2.17,
+                  2.24, 2.37, 2.40, 2.55, 2.75)
 # A GPU's decode step reads the weights once for any few rows.
 GPU_COST = tuple(1.0 + 0.02 * k for k in range(17))
 

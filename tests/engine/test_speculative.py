@@ -77,7 +77,7 @@ def test_greedy_equals_plain_alone_batched_and_cached(plain, ngram):
 def test_exact_mode_greedy_tokens_equal_plain():
     """Dense fp32: the tokens are the plain run's (the last bits of logprobs may differ: the
     GEMM of k + 1 rows is not the GEMM of one)."""
-    params = SamplingParams(max_tokens=40, temperature=0.0)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
     plain = LLM(num_blocks=128, weights="dense", dtype="float32")
     want = [c.token_ids for o in _run(plain, params) for c in o.outputs]
     del plain
@@ -215,7 +215,7 @@ def test_gemma_sliding_layers(gemma3_gguf):
     """Gemma 3's hybrid layout (sliding-window layers release blocks behind the window): a
     prompt past the 512-token window, drafts verified across it, bits equal to the plain run."""
     model = str(gemma3_gguf)
-    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
     long_copy = [{"role": "user", "content": f"Repeat the last function:\n\n{CODE * 12}"}]
     plain = LLM(model, num_blocks=256, **DEFAULT)
     want = _tokens(_run(plain, params, chats=[long_copy, CHAT], prompts=()))

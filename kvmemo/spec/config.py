@@ -69,8 +69,9 @@ class SpeculativeConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        """The draft length cap: num_speculative_tokens, by default 5 for ngram (vLLM's
-        examples) and the tree depth for suffix (vLLM's default)."""
+        """The draft length cap: num_speculative_tokens, by default 5 for ngram (kvmemo's
+        choice; the policy verifies fewer where they do not pay) and the tree depth for suffix
+        (vLLM's default)."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
         return 5 if self.method == "ngram" else self.suffix_decoding_max_tree_depth
@@ -83,8 +84,8 @@ class SpeculativeConfig:
 
     @property
     def lookup_min(self) -> int:
-        """Shortest tail matched: 2 by default (1 drafts after any repeated token, which is
-        mostly noise; vLLM's docs' examples use 2 to 5)."""
+        """Shortest tail matched: 2 by default (kvmemo's choice: a tail of 1 drafts after any
+        repeated token, a weaker signal; not tuned by measurement)."""
         if self.prompt_lookup_min is not None:
             return self.prompt_lookup_min
         return min(2, self.lookup_max)

@@ -141,3 +141,33 @@ def test_the_scans_catch_a_cycle_and_an_upward_import():
                              ["kvmemo.model.kernels.k", "kvmemo.model.layers.basic"]]
     assert upward_imports(graph) == [
         "kvmemo.model.kernels.k imports kvmemo.model.layers.basic"]
+
+
+def test_config_reads_only_torch_free_leaves():
+    """config.py validates options against the values their owners define (attention backend
+    names, hash algorithms, kv_store and speculative specs), but it sits below everything that
+    reads a config: all it pulls in, transitively, imports the standard library only at module
+    level (an optional package, xxhash, is imported where it is used)."""
+    import sys
+
+    def module_level_names(source: str) -> set[str]:
+        body = ast.parse(source).body
+        return imported_names(ast.unparse(ast.Module(
+            [n for n in body if isinstance(n, ast.Import | ast.ImportFrom)], type_ignores=[])))
+
+    sources = package_sources()
+    graph = import_graph(sources)
+    closure, todo = set(), ["kvmemo.config"]
+    while todo:
+        module = todo.pop()
+        if module not in closure:
+            closure.add(module)
+            todo.extend(graph[module])
+    third_party = {
+        f"{module} imports {name}"
+        for module in closure
+        for name in module_level_names(sources[module])
+        if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "kvmemo"
+    }
+    assert third_party == set()
+    assert not any(m.startswith(("kvmemo.engine", "kvmemo.model", "kvmemo.server")) for m in closure)

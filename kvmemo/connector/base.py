@@ -49,14 +49,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.kv.match import BlockIds
 
 if TYPE_CHECKING:
     from kvmemo.attention.cache import PagedKVCache
     from kvmemo.kv.events import KVEvent
     from kvmemo.request import Request
 
-
-BlockIds = int | tuple[int, ...]  # a block's id, or one per layer group (hybrid layouts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.manager import KVCacheManager
-from kvmemo.kv.match import NO_MATCH, BlockCopy, PrefixCacheStats, PrefixMatch
+from kvmemo.kv.match import NO_MATCH, BlockCopy, BlockIds, PrefixCacheStats, PrefixMatch
 
 if TYPE_CHECKING:
     from kvmemo.request import Request
@@ -190,15 +190,15 @@ class HybridKVCacheManager:
         written), so here such a request waits a step for them to commit."""
         return prefix
 
-    def cached_block_ids(self, block_hash: BlockHash) -> tuple[int, ...] | None:
+    def cached_block_ids(self, block_hash: BlockHash) -> BlockIds | None:
         """Every group's cached block under `block_hash`, or None if a group lacks it (a store
         payload holds all layers, so a block is saved only whole)."""
-        ids = [g.cached_block_ids(block_hash) for g in self.groups]
+        ids = [g.cached_block_id(block_hash) for g in self.groups]
         if any(i is None for i in ids):
             return None
         return tuple(i for i in ids if i is not None)
 
-    def load_targets(self, request: Request, first: int, count: int) -> list[tuple[int, ...]]:
+    def load_targets(self, request: Request, first: int, count: int) -> list[BlockIds]:
         """Per block first..first+count-1 of the request, its id in every group."""
         per_group = [g.load_targets(request, first, count) for g in self.groups]
         return list(zip(*per_group))

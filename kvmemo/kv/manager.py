@@ -20,7 +20,7 @@ from kvmemo.kv.block_pool import Block, BlockPool
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash, extra_keys_for_range
 from kvmemo.kv.layout import KVLayout
-from kvmemo.kv.match import BlockCopy, PrefixCacheStats, PrefixMatch
+from kvmemo.kv.match import BlockCopy, BlockIds, PrefixCacheStats, PrefixMatch
 from kvmemo.kv.matcher import PrefixMatcher, RequestBlocks
 from kvmemo.kv.partial_index import PartialEntry, PartialIndex
 from kvmemo.kv.tables import BlockTables
@@ -100,11 +100,16 @@ class KVCacheManager(PrefixMatcher, BlockTables):
         )
 
     def drop_partial(self, request: Request, prefix: PrefixMatch) -> PrefixMatch | None:
-        """`prefix` without its partial block (the store holds that whole block)."""
+        """`prefix` without its partial block (the store holds that whole block). `request` is
+        unused by one group; the hybrid manager matches its other groups against it."""
         return replace(prefix, partial=None, num_tokens=len(prefix.blocks) * self.block_size)
 
-    def cached_block_ids(self, block_hash: BlockHash) -> int | None:
-        """The id of this group's cached block under `block_hash` (what a store saves), or None."""
+    def cached_block_ids(self, block_hash: BlockHash) -> BlockIds | None:
+        """The ids of the cached block under `block_hash` (what a store saves), or None."""
+        return self.cached_block_id(block_hash)
+
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        """The id of this group's cached block under `block_hash`, or None."""
         block = self.block_pool.get_cached_block(block_hash, self.group)
         return block.block_id if block is not None else None
 

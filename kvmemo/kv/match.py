@@ -10,6 +10,11 @@ from dataclasses import dataclass, fields
 from kvmemo.kv.block_pool import Block
 from kvmemo.kv.hashing import BlockHash
 
+# A block's id, or for a hybrid layout (kv/hybrid.py: layer groups with their own blocks) one
+# id per group. Both managers hand out this one type, so a store or the scheduler never asks
+# which manager it holds.
+BlockIds = int | tuple[int, ...]
+
 
 @dataclass(frozen=True, slots=True)
 class BlockCopy:

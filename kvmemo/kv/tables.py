@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import BlockPool
 from kvmemo.kv.hashing import RequestHasher
+from kvmemo.kv.match import BlockIds
 from kvmemo.kv.matcher import RequestBlocks
 from kvmemo.kv.partial_index import PartialIndex
 
@@ -44,7 +45,7 @@ class BlockTables:
         """[the block table]: the single-group form of HybridKVCacheManager's."""
         return [self.get_block_table(request_id)]
 
-    def load_targets(self, request: Request, first: int, count: int) -> list[int]:
+    def load_targets(self, request: Request, first: int, count: int) -> list[BlockIds]:
         """The ids of the request's blocks first..first+count-1 (where store loads go)."""
         table = self.get_block_table(request.request_id)[first : first + count]
         assert len(table) == count and all(b is not None for b in table), "load into no block"

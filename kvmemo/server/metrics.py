@@ -61,32 +61,45 @@ class ServerMetrics:
         def gauge(name: str, doc: str, read) -> None:
             Gauge(name, doc, registry=r).set_function(read)
 
-        def m(name: str):
-            return lambda: float(getattr(engine.stats, name))
-
-        gauge("kvmemo_num_requests_running", "Sequences running in the engine", m("num_running"))
-        gauge("kvmemo_num_requests_waiting", "Sequences waiting for admission", m("num_waiting"))
+        gauge(
+            "kvmemo_num_requests_running",
+            "Sequences running in the engine",
+            lambda: float(engine.stats.num_running),
+        )
+        gauge(
+            "kvmemo_num_requests_waiting",
+            "Sequences waiting for admission",
+            lambda: float(engine.stats.num_waiting),
+        )
         gauge(
             "kvmemo_kv_blocks_in_use",
             "KV blocks referenced by requests (cached free blocks excluded)",
             lambda: float(engine.stats.kv_num_blocks - engine.stats.kv_num_free_blocks),
         )
-        gauge("kvmemo_kv_blocks_total", "KV blocks in the pool", m("kv_num_blocks"))
-        gauge("kvmemo_kv_cache_usage", "Fraction of KV blocks in use", m("kv_usage"))
+        gauge(
+            "kvmemo_kv_blocks_total",
+            "KV blocks in the pool",
+            lambda: float(engine.stats.kv_num_blocks),
+        )
+        gauge(
+            "kvmemo_kv_cache_usage",
+            "Fraction of KV blocks in use",
+            lambda: float(engine.stats.kv_usage),
+        )
         gauge(
             "kvmemo_prefix_cache_hit_rate",
             "Prefix-cache hit tokens / queried tokens",
-            m("prefix_cache_hit_rate"),
+            lambda: float(engine.stats.prefix_cache_hit_rate),
         )
         gauge(
             "kvmemo_prefix_cache_hit_tokens",
             "Prompt tokens found in the prefix cache (cumulative)",
-            m("prefix_cache_hits_tokens"),
+            lambda: float(engine.stats.prefix_cache_hits_tokens),
         )
         gauge(
             "kvmemo_store_hit_tokens",
             "Prompt tokens loaded from the persistent KV store (0 without --kv-store)",
-            m("store_hit_tokens"),
+            lambda: float(engine.stats.store_hit_tokens),
         )
 
         tier_hits = Gauge(

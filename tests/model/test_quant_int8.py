@@ -90,6 +90,31 @@ def test_activation_codes_are_round_to_nearest_with_scale_amax_over_127() -> Non
     assert int(codes.abs().max()) == 127 and bool((codes[2, 32:48] == 0).all())
 
 
+def test_every_build_quantizes_activations_to_the_same_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 512-bit quantizer (sixteen values at a time) and the plain-C loop give the same codes
+    and scales, ties, NaN, infinities, zeros and subnormal groups included."""
+    builds = [b for b in _builds() if quant_int8.kernel_library(b) is not None]
+    if len(builds) < 2:
+        pytest.skip("one kernel build on this machine")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 256, generator=gen) * torch.logspace(-3, 3, 256)
+    x[0, :32] = torch.arange(-16, 16) * 0.5  # halves: round-to-nearest-even ties
+    x[1, 4:8] = float("nan")
+    x[1, 8:12] = torch.tensor([float("inf"), 1.0, -2.0, 0.0])
+    x[2, :64] = 0.0
+    x[3, 16:20] = torch.tensor([1e-40, -3e-39, 0.0, 2e-45])  # d below the smallest normal
+    x[4, 40:44] = torch.tensor([float("nan"), 3.0, -7.0, 0.25])
+    results = []
+    for build in builds:
+        library = quant_int8.kernel_library(build)
+        monkeypatch.setattr(quant_int8, "_library", lambda library=library: library)
+        results.append(quantize_activations(x))
+    for build, (codes, scales) in zip(builds[1:], results[1:]):
+        assert torch.equal(codes, results[0][0]), build
+        assert torch.equal(scales.view(torch.int32), results[0][1].view(torch.int32)), build
+
+
 @pytest.mark.parametrize("qtype", sorted(INT8_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qtype: GGMLQuantizationType,
                                                               build: str) -> None:

@@ -7,9 +7,12 @@
  * run is a vector of unsigned codes u with per-16 scales sa/sb and offsets ca/cb (value = s * u
  * + c), so a lane's product (4 codes) is
  *     d_lane * s * <u, q>[lane] + c * d_lane * sum(q[lane])
- * and <u, q> is an integer dot product: vpdpbusd with AVX512-VNNI (two runs per 512-bit
- * instruction) or AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, a plain loop elsewhere. Q8_0's
- * signed codes go as |w| . sign(q, w).
+ * and <u, q> is an integer dot product: vpdpbusd with AVX512-VNNI or AVX-VNNI, vpmaddubsw +
+ * vpmaddwd on AVX2, a plain loop elsewhere. Where the build has vectors (AVX2 and up), weights
+ * are repacked once at load so that a vector's lanes are 16 output rows (q8_repacked.h): that
+ * kernel serves every row count. The row-by-row kernel below reads the GGUF bytes as they are:
+ * for plain x86-64 and the weights a build does not repack (Q8_0 on AVX2 without VNNI, whose
+ * signed codes go as |w| . sign(q, w)).
  *
  * Invariant: y equals F.linear(x', dequantize(W)) to fp32 rounding, where x' = d * code is x
  * after that quantization (so |y - F.linear(x, W)| <= sum_k |W[n, k]| * d(k) / 2, plus
@@ -43,9 +46,53 @@ typedef uint8_t v32u8 __attribute__((vector_size(32)));
  * offset * (d * sum) spread over a group's lanes, with two vector FMAs and no scalar work (the
  * spreading factor is a power of two, exact); consecutive blocks' entries are adjacent, so a
  * 512-bit load takes two blocks. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* Sixteen values (four groups of GROUP == 4) as the scalar loop below quantizes them, bit for
+ * bit: NaN counts as 0 in the group's amax (as fmaxf skips it) and codes as 0; the group max
+ * and sum reduce within each 128-bit lane. Returns d and d * sum, replicated over each group. */
+static inline void quantize16(const float *x, int8_t *q, __m512 *d_out, __m512 *c_out) {
+    const __m512 v = _mm512_loadu_ps(x);
+    const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+    __m512 a = _mm512_maskz_mov_ps(ordered, _mm512_abs_ps(v));
+    a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 d = _mm512_mul_ps(a, _mm512_set1_ps(1.0f / 127.0f));
+    const __mmask16 normal = _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ);
+    const __m512 id = _mm512_maskz_div_ps(normal, _mm512_set1_ps(1.0f), d);
+    const __m512 scaled = _mm512_mul_ps(v, id);
+    const __mmask16 numbers = _mm512_cmp_ps_mask(scaled, scaled, _CMP_ORD_Q);
+    const __m512 r = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i codes = _mm512_maskz_cvtps_epi32(numbers, r);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(codes));
+    codes = _mm512_add_epi32(codes, _mm512_shuffle_epi32(codes, _MM_PERM_CDAB));
+    codes = _mm512_add_epi32(codes, _mm512_shuffle_epi32(codes, _MM_PERM_BADC));
+    *d_out = d;
+    *c_out = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes));
+}
+#endif
+
 int kvmemo_quantize_q8(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *xq, float *xd) {
     if (K % 32) return 2;
     const int64_t nb = K / 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    if (GROUP == 4) {
+        /* lanes 0, 4, 8, 12 of the first vector, then of the second: one per group */
+        const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t b = 0; b < nb; b++) {
+                const float *xb = x + m * ldx + 32 * b;
+                int8_t *q = xq + m * K + 32 * b;
+                float *e = xd + m * 16 * nb + 8 * b, *c = e + 8 * nb;
+                __m512 d0, c0, d1, c1;
+                quantize16(xb, q, &d0, &c0);
+                quantize16(xb + 16, q + 16, &d1, &c1);
+                _mm256_storeu_ps(e, _mm512_castps512_ps256(_mm512_permutex2var_ps(d0, firsts, d1)));
+                _mm256_storeu_ps(c, _mm512_castps512_ps256(_mm512_permutex2var_ps(c0, firsts, c1)));
+            }
+        }
+        return 0;
+    }
+#endif
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             float *e = xd + m * 16 * nb + 8 * b, *c = e + 8 * nb;
@@ -194,131 +241,16 @@ enum { TILE = 4 }; /* rows of x per pass over a weight row: their accumulators s
 static inline __m256 half_lanes(float a, float b) { return _mm256_setr_ps(a, a, a, a, b, b, b, b); }
 #endif
 
+/* Int8Weights repacks every weight for q8_repacked.h's kernel: 512-bit with VNNI, else 256-bit
+ * (AVX2, F16C; Q8_0 only with a VNNI dot, see repacks()). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512VNNI__)
-/* Blocks j and j + 1 of a Q4_0, Q4_1 or Q8_0 row as one vector of codes and their scales and
- * offsets per lane: what unpack() gives for each, in about a third of the instructions (both
- * blocks' fp16 scales convert in one instruction; both blocks' nibbles split in one pass). */
-static inline __attribute__((always_inline)) void pair32(int type, const uint8_t *row, int64_t j,
-                                                         __m512i *w, __m512 *s, __m512 *c) {
-    const int64_t bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34;
-    const uint8_t *a = row + j * bytes, *b = a + bytes;
-    const __m512i first = _mm512_setzero_si512(), second = _mm512_set1_epi32(2);
-    if (type == T_Q8_0) {
-        *w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 2))),
-                                _mm256_loadu_si256((const __m256i *)(b + 2)), 1);
-    } else {
-        const int off = type == T_Q4_1 ? 4 : 2;
-        const __m256i q = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + off))),
-            _mm_loadu_si128((const __m128i *)(b + off)), 1);
-        const __m256i mask = _mm256_set1_epi8(0x0F);
-        const __m512i lo_hi = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_and_si256(q, mask)),
-            _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1); /* lo_a lo_b hi_a hi_b */
-        *w = _mm512_shuffle_i64x2(lo_hi, lo_hi, _MM_SHUFFLE(3, 1, 2, 0)); /* lo_a hi_a lo_b hi_b */
-    }
-    uint32_t ha, hb; /* Q4_1: d then m; others: d (and the next bytes, unused) */
-    memcpy(&ha, a, 4);
-    memcpy(&hb, b, 4);
-    /* halves [d_a, m_a, d_b, m_b] (Q4_1) or [d_a, ., d_b, .] -> floats; lanes by permutation */
-    const __m128 f = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)ha), (int)hb, 1));
-    const __m512 f512 = _mm512_castps128_ps512(f);
-    const __m512i d_index = _mm512_mask_blend_epi32(0xFF00, first, second);
-    *s = _mm512_permutexvar_ps(d_index, f512);
-    if (type == T_Q4_1)
-        *c = _mm512_permutexvar_ps(_mm512_add_epi32(d_index, _mm512_set1_epi32(1)), f512);
-    else if (type == T_Q4_0)
-        *c = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
-    else
-        *c = _mm512_setzero_ps();
-}
+#define Q8_REPACKED 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q8_REPACKED 256
+#endif
 
-/* Runs j and j + 1 of a weight row (run j alone when `tail`) as one vector of unsigned codes,
- * their scales and offsets per lane, and (Q8_0) the mask of negative codes. */
-typedef struct {
-    __m512i u;
-    __m512 s, c;
-    __mmask64 neg;
-} pair_t;
-
-static inline __attribute__((always_inline)) pair_t unpack_pair(int type, const uint8_t *row,
-                                                                int64_t j, int tail) {
-    __m512i w;
-    __m512 s, c;
-    if (!tail && (type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0)) {
-        pair32(type, row, j, &w, &s, &c);
-    } else {
-        const run_t a = unpack(type, row, j);
-        run_t b = a;
-        if (!tail) b = unpack(type, row, j + 1);
-        w = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a.u),
-                               tail ? _mm256_setzero_si256() : (__m256i)b.u, 1);
-        s = _mm512_insertf32x8(_mm512_castps256_ps512(half_lanes(a.sa, a.sb)),
-                               half_lanes(b.sa, b.sb), 1);
-        c = _mm512_insertf32x8(_mm512_castps256_ps512(half_lanes(a.ca, a.cb)),
-                               half_lanes(b.ca, b.cb), 1);
-    }
-    pair_t p;
-    p.u = type == T_Q8_0 ? _mm512_abs_epi8(w) : w;
-    p.neg = _mm512_movepi8_mask(w); /* Q8_0: the sign moves onto x */
-    p.s = s;
-    p.c = c;
-    return p;
-}
-
-/* One pair of runs against x rows [0, R). */
-static inline __attribute__((always_inline)) void pair_products(
-    int type, int R, pair_t p, int64_t j, int tail, const int8_t *xq, const float *xd, int64_t K,
-    int64_t nb, __m512 *acc_p, __m512 *acc_c) {
-    const __mmask64 bytes = tail ? 0xFFFFFFFFull : ~0ull;
-    const __mmask16 lanes = tail ? 0x00FF : 0xFFFF;
-    for (int m = 0; m < R; m++) {
-        __m512i q = _mm512_maskz_loadu_epi8(bytes, xq + m * K + 32 * j);
-        if (type == T_Q8_0) q = _mm512_mask_sub_epi8(q, p.neg, _mm512_setzero_si512(), q);
-        const float *e = xd + m * 16 * nb + 8 * j;
-        const __m512 d = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), p.u, q)), p.s);
-        acc_p[m] = _mm512_fmadd_ps(d, _mm512_maskz_loadu_ps(lanes, e), acc_p[m]);
-        if (type != T_Q8_0)
-            acc_c[m] = _mm512_fmadd_ps(p.c, _mm512_maskz_loadu_ps(lanes, e + 8 * nb), acc_c[m]);
-    }
-}
-
-/* y[m * ldy] for x rows [0, R) against one weight row: from its bytes (row) or, when `pairs` is
- * not NULL, from its runs unpacked before (pack_row: the same vectors, so the same sums). Two
- * sets of accumulators take alternate pairs of runs, so consecutive FMAs into one register do
- * not wait on each other. */
-static inline __attribute__((always_inline)) void row_tile(int type, int R, const uint8_t *row,
-                                                           const pair_t *pairs, const int8_t *xq,
-                                                           const float *xd, int64_t K, float *y,
-                                                           int64_t ldy) {
-    const int64_t nb = K / 32;
-    __m512 p0[TILE], p1[TILE], c0[TILE], c1[TILE];
-    for (int m = 0; m < R; m++) p0[m] = p1[m] = c0[m] = c1[m] = _mm512_setzero_ps();
-#define PAIR(j, tail) (pairs ? pairs[(j) / 2] : unpack_pair(type, row, j, tail))
-    int64_t j = 0;
-    for (; j + 3 < nb; j += 4) {
-        pair_products(type, R, PAIR(j, 0), j, 0, xq, xd, K, nb, p0, c0);
-        pair_products(type, R, PAIR(j + 2, 0), j + 2, 0, xq, xd, K, nb, p1, c1);
-    }
-    for (; j < nb; j += 2) {
-        const int tail = j + 1 == nb;
-        pair_products(type, R, PAIR(j, tail), j, tail, xq, xd, K, nb, p0, c0);
-    }
-#undef PAIR
-    for (int m = 0; m < R; m++)
-        y[m * ldy] = _mm512_reduce_add_ps(
-            _mm512_add_ps(_mm512_add_ps(p0[m], p1[m]), _mm512_add_ps(c0[m], c1[m])));
-}
-
-typedef pair_t unpacked_t;
-enum { RUNS_PER_UNPACKED = 2 };
-static inline void pack_row(int type, const uint8_t *row, int64_t nb, unpacked_t *out) {
-    for (int64_t j = 0; j < nb; j += 2) out[j / 2] = unpack_pair(type, row, j, j + 1 == nb);
-}
-
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
 /* Weight run j as unsigned codes, the mask source for Q8_0's signs, its scales and offsets. */
 typedef struct {
     __m256i u, w;
@@ -452,7 +384,7 @@ TYPE_KERNEL(T_Q6_K)
 typedef void (*rows_fn)(const int8_t *, const float *, const uint8_t *, int64_t,
                         float *, int64_t, int64_t, int64_t, int64_t, int64_t, void *);
 
-enum { CHUNK = 16 }; /* weight rows per task: a thread's rows stay contiguous in memory */
+enum { CHUNK = 16 }; /* weight rows per task (a repacked group): a thread's rows stay contiguous */
 
 /* Rows of x per pass over the weights: with vector kernels as many as keep their codes and
  * scales (3 bytes per value) within about 384 KiB of L2, so that each weight chunk is unpacked
@@ -545,6 +477,8 @@ static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_op
             for (int64_t n = 0; n < N; n++) y[m * ldy + n] += o->residual[m * o->ldr + n];
 }
 
+#include "q8_repacked.h"
+
 enum { MAX_PARTS = 8 };
 
 /* Weights [N_p, K] in their GGUF bytes, each of its own type, that one product multiplies: their
@@ -554,6 +488,7 @@ typedef struct {
     const uint8_t *W[MAX_PARTS];
     int32_t types[MAX_PARTS];
     int64_t N[MAX_PARTS];
+    const uint8_t *packed[MAX_PARTS]; /* the part repacked (kvmemo_q8_repack), or NULL */
 } q8_weights;
 
 /* y[M, sum N_p] = q8(x')[M, K] . [W_0; W_1; ...]^T, x' = x after the options' norm or gating.
@@ -580,15 +515,22 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * 16 * nb));
     float *row = malloc(sizeof(float) * (size_t)K);
-    if (!xq || !xd || !row) {
+    float *hs = malloc(sizeof(float) * (size_t)(M * nb * 2)); /* per run: two halves' d * sum */
+    if (!xq || !xd || !row || !hs) {
         free(xq);
         free(xd);
         free(row);
+        free(hs);
         return 3;
     }
     for (int64_t m = 0; m < M; m++) {
         prepare_row(x + m * ldx, K, opts, row);
         kvmemo_quantize_q8(row, 1, K, K, xq + m * K, xd + m * 16 * nb);
+        const float *c = xd + m * 16 * nb + 8 * nb;
+        for (int64_t j = 0; j < nb; j++) {
+            hs[(m * nb + j) * 2] = (c[8 * j] + c[8 * j + 1]) + (c[8 * j + 2] + c[8 * j + 3]);
+            hs[(m * nb + j) * 2 + 1] = (c[8 * j + 4] + c[8 * j + 5]) + (c[8 * j + 6] + c[8 * j + 7]);
+        }
     }
     free(row);
     const int64_t pass = rows_per_pass(K);
@@ -613,6 +555,13 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
                 while (c >= first_chunk[p + 1]) p++;
                 const int64_t n0 = (c - first_chunk[p]) * CHUNK;
                 const int64_t n1 = n0 + CHUNK < w->N[p] ? n0 + CHUNK : w->N[p];
+#if defined(Q8_REPACKED)
+                if (w->packed[p] && repacks(w->types[p])) {
+                    packed_kernel(w->types[p])(w->packed[p], q, e, hs + m0 * nb * 2,
+                                               y + m0 * ldy + column[p], rows, n0, n1, K, ldy);
+                    continue;
+                }
+#endif
                 fn[p](q, e, w->W[p], row_bytes[p], y + m0 * ldy + column[p], rows, n0, n1, K, ldy,
                       scratch);
             }
@@ -620,6 +569,7 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
         }
         if (failed) break;
     }
+    free(hs);
     if (failed) {
         free(xq);
         free(xd);

@@ -5,14 +5,19 @@ x rounded to int8 codes per GROUP (4) values (scale amax / 127: quantize_activat
 differs from F.linear(x, W) by at most sum_k |W[n, k]| * scale_k / 2 (kernels/quant_int8.c).
 Why: the integer dot product of 32 codes is one VNNI instruction (AVX512-VNNI, AVX-VNNI; two on
 AVX2), where the fp32-activation kernel (quant_linear.py) dequantizes each weight block to floats
-first; a decode step reads every weight once, and this is what llama.cpp does on CPU (with a
-scale per 32 values; per 4 keeps SmolLM2's teacher-forced agreement with fp32 above 98%, see
-docs/benchmarks.md). The fp32-activation kernel stays for F16/BF16 weights.
+first. Weights repacked at load into groups of 16 rows (kernels/q8_repacked.h; a Q4_0/Q4_1
+weight keeps the file's bytes per value) make a vector's lanes outputs, so no run is unpacked
+twice and no lane is summed across. A decode step reads every weight once; this is what llama.cpp
+does on CPU (with a scale per 32 values; per 4 keeps SmolLM2's teacher-forced agreement with
+fp32 above 98%, see docs/benchmarks.md). The fp32-activation kernel stays for F16/BF16 weights.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
+import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -39,6 +44,8 @@ class _Library:
     quantize: Callable[..., int]
     linear: Callable[..., int]
     mlp_block: Callable[..., int]
+    repacked_bytes: Callable[..., int]
+    repack: Callable[..., int]
 
 
 @cache
@@ -58,7 +65,13 @@ def kernel_library(march: str = "native") -> _Library | None:
     mlp_block = library.kvmemo_q8_mlp_block
     mlp_block.restype = ctypes.c_int
     mlp_block.argtypes = [_p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_float, _p, _p, _p, _i64]
-    return _Library(quantize, linear, mlp_block)
+    repacked_bytes = library.kvmemo_q8_repacked_bytes
+    repacked_bytes.restype = _i64
+    repacked_bytes.argtypes = [ctypes.c_int, _i64, _i64]
+    repack = library.kvmemo_q8_repack
+    repack.restype = ctypes.c_int
+    repack.argtypes = [ctypes.c_int, _p, _i64, _i64, _i64, _p]
+    return _Library(quantize, linear, mlp_block, repacked_bytes, repack)
 
 
 MAX_PARTS = 8  # the kernel's limit of weights per product
@@ -70,6 +83,7 @@ class _Weights(ctypes.Structure):
     _fields_ = [
         ("num_parts", _i64), ("K", _i64), ("W", _p * MAX_PARTS),
         ("types", ctypes.c_int32 * MAX_PARTS), ("N", _i64 * MAX_PARTS),
+        ("packed", _p * MAX_PARTS),
     ]
 
 
@@ -115,9 +129,69 @@ def reads(weight: QuantizedWeight) -> bool:
     return weight.qtype in INT8_TYPES and _library() is not None
 
 
+# A weight's repacked copy, made once however many Int8Weights read it (the model's layers and a
+# test's reference may share a QuantizedWeight); it lives as long as the weight.
+_REPACKED: weakref.WeakKeyDictionary[QuantizedWeight, torch.Tensor | None] = (
+    weakref.WeakKeyDictionary())
+
+
+def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
+    """The weight in the layout of the kernel's 16-row groups (kernels/q8_repacked.h), or None
+    where this CPU's build has no such kernel (then the GGUF bytes are read as they are)."""
+    lib = _require()
+    if weight in _REPACKED:
+        return _REPACKED[weight]
+    rows = weight.shape[0]
+    size = lib.repacked_bytes(int(weight.qtype), rows, weight.num_cols)
+    if size == 0:
+        return None
+    out = torch.empty(size + 64, dtype=torch.uint8)  # 64-byte aligned view below: vector loads
+    start = (-out.data_ptr()) % 64
+    out = out[start : start + size]
+    status = lib.repack(int(weight.qtype), weight.data.data_ptr(), weight.data.shape[1], rows,
+                        weight.num_cols, out.data_ptr())
+    assert status in (0, 2), f"q8_repack status {status}"
+    packed = out if status == 0 else None  # 2: a scale beyond fp16's range, read as it is
+    _REPACKED[weight] = packed
+    if packed is not None:
+        _page_out(weight.data)
+    return packed
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay what they were
+
+
+def _page_out(data: torch.Tensor) -> None:
+    """Hands the pages of a repacked weight's GGUF bytes back to the kernel: the products read
+    the repacked copy, so these would otherwise stay resident beside it (the repack touched them
+    all). File-backed pages are dropped and read again if anything touches them (the embedding
+    table's rows); anonymous ones are swapped or kept. Nothing is lost either way; where the
+    kernel refuses, nothing happens."""
+    libc = _libc()
+    if libc is None:
+        return
+    page = mmap.PAGESIZE
+    start = -(-data.data_ptr() // page) * page
+    end = (data.data_ptr() + data.numel() * data.element_size()) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    if sys.platform != "linux":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
 class Int8Weights:
     """Quantized weights [N_p, K] that one kernel call multiplies, writing consecutive column
-    ranges of one output (a fused q/k/v or gate/up, which may mix GGUF types)."""
+    ranges of one output (a fused q/k/v or gate/up, which may mix GGUF types). Where this CPU's
+    build has the repacked kernel (AVX512-VNNI), the weights are repacked for it here, once, and
+    every row count takes it; elsewhere the kernel reads the GGUF bytes as they are."""
 
     def __init__(self, weights: Sequence[QuantizedWeight]) -> None:
         if not 1 <= len(weights) <= MAX_PARTS:
@@ -137,10 +211,13 @@ class Int8Weights:
         self.num_cols = weights[0].num_cols
         self.num_out = sum(w.shape[0] for w in weights)
         self.struct = _Weights(num_parts=len(weights), K=self.num_cols)
+        self.packed = [repacked(w) for w in weights]
         for i, w in enumerate(weights):
             self.struct.W[i] = w.data.data_ptr()
             self.struct.types[i] = int(w.qtype)
             self.struct.N[i] = w.shape[0]
+            packed = self.packed[i]
+            self.struct.packed[i] = None if packed is None else packed.data_ptr()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  fused: Fused | None = None) -> torch.Tensor:

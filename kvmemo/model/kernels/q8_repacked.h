@@ -1,0 +1,333 @@
+/* The int8 product over weights repacked for it: 16 output rows per vector, so that a lane is an
+ * output and a VNNI dot product needs no horizontal sum. Included by quant_int8.c (it uses that
+ * file's unpack(), run_t and the activations' layout).
+ *
+ * Layout, per group of 16 weight rows (the last padded with zero rows), per 32-value run j:
+ *     codes  512 bytes: byte [g][r][i] = unsigned code of row r, value 4g + i of the run;
+ *            4-bit types (Q4_0, Q4_1, Q4_K) in 256: quads 2h and 2h + 1 as the low and high
+ *            nibbles of bytes [h][r][i]
+ *     s[16], c[16]     the run's scale and offset per row (value = s * code + c): fp16 for the
+ *            types whose scales are fp16 in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact;
+ *            Q8_0 stores no c, it is -128 s), fp32 for the K-quants (a 6-bit scale times
+ *            an fp16); Q6_K, whose scale changes every 16 values, has the second half's s and
+ *            c after them
+ * So a Q4_1 weight takes 20 bytes per 32 values, as in the file.
+ * A quad g of codes times a row's four int8 activations of that quad is one vpdpbusd against
+ * the broadcast quad, for 16 outputs at once; the quad's activation scale (one per 4 values)
+ * multiplies the int32 lanes, the run's s and c close the run.
+ *
+ * Why: the row-by-row kernel (row_tile) spends 5-6 vector instructions per 64 multiply-adds
+ * of one row and unpacks every run again for each tile of 4 rows; here a run is unpacked once,
+ * at load, and a row pays a dot, a conversion and an FMA per 64 (16 outputs x 4 values).
+ *
+ * Invariant: an output is its own row's sum, run by run in order, quads in order within a run,
+ * whatever the row count, the row's place in a tile or the thread that computes it, so a row's
+ * result does not depend on the rows beside it (batch invariance). */
+#ifndef KVMEMO_Q8_REPACKED_H
+#define KVMEMO_Q8_REPACKED_H
+
+enum { PACK_ROWS = 16, PACK_TILE = 4 };
+
+static inline int nibble_codes(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K;
+}
+static inline int half_scales(int type) { return type != T_Q4_K && type != T_Q5_K && type != T_Q6_K; }
+static inline int split_scales(int type) { return type == T_Q6_K; }
+static inline int64_t codes_bytes(int type) { return nibble_codes(type) ? 256 : 512; }
+
+static inline int64_t packed_run_bytes(int type) {
+    const int64_t scales = half_scales(type) ? (type == T_Q8_0 ? 32 : 64)
+                                             : (split_scales(type) ? 256 : 128);
+    return codes_bytes(type) + scales;
+}
+
+/* Whether this build's kernel takes `type` repacked. Q8_0's codes become w + 128 (up to 255),
+ * whose pairs of products overflow AVX2's int16 vpmaddubsw: there only a VNNI dot takes them. */
+static inline int repacks(int type) {
+#if Q8_REPACKED == 256 && !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    return type != T_Q8_0;
+#else
+    (void)type;
+    return 1;
+#endif
+}
+
+/* Bytes of a repacked [N, K] weight, 0 when this build has no repacked kernel for it. */
+int64_t kvmemo_q8_repacked_bytes(int type, int64_t N, int64_t K) {
+#if defined(Q8_REPACKED)
+    if (K % 32 || N < 1 || !repacks(type)) return 0;
+    return (N + PACK_ROWS - 1) / PACK_ROWS * (K / 32) * packed_run_bytes(type);
+#else
+    (void)type, (void)N, (void)K;
+    return 0;
+#endif
+}
+
+#if defined(Q8_REPACKED)
+/* v as fp16 at p; 0 when the half does not hold v exactly (the repack then fails). */
+static inline int store_half(float v, uint8_t *p) {
+    const uint16_t h = (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+    memcpy(p, &h, 2);
+    return _cvtsh_ss(h) == v;
+}
+#endif
+
+/* W [N, K] in its GGUF bytes (row_bytes per row) -> out (kvmemo_q8_repacked_bytes of room).
+ * Status 0; 1 when this build has no repacked kernel; 2 when a scale does not fit the layout's
+ * fp16 (a Q4_0 scale beyond 8,188: -8 d overflows), so the weight is read as it is. */
+int kvmemo_q8_repack(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                     uint8_t *out) {
+#if defined(Q8_REPACKED)
+    if (!repacks(type)) return 1;
+    const int64_t nb = K / 32, groups = (N + PACK_ROWS - 1) / PACK_ROWS;
+    const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
+    const int nib = nibble_codes(type), half = half_scales(type), split = split_scales(type);
+    int inexact = 0;
+    memset(out, 0, (size_t)(groups * nb * run_bytes));
+#pragma omp parallel for schedule(static) reduction(| : inexact)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        for (int64_t r = 0; r < PACK_ROWS && gi * PACK_ROWS + r < N; r++) {
+            const uint8_t *row = W + (gi * PACK_ROWS + r) * row_bytes;
+            for (int64_t j = 0; j < nb; j++) {
+                uint8_t *run = out + (gi * nb + j) * run_bytes, *scales = run + cb;
+                run_t u = unpack(type, row, j);
+                if (type == T_Q8_0) u.u ^= 0x80; /* signed codes w -> w + 128; c is -128 s */
+                for (int g = 0; g < 8; g++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t code = u.u[4 * g + i];
+                        if (nib)
+                            run[((g / 2) * PACK_ROWS + r) * 4 + i] |= (uint8_t)(code << (4 * (g & 1)));
+                        else
+                            run[(g * PACK_ROWS + r) * 4 + i] = code;
+                    }
+                if (half) {
+                    inexact |= !store_half(u.sa, scales + 2 * r);
+                    if (type != T_Q8_0) inexact |= !store_half(u.ca, scales + 32 + 2 * r);
+                } else {
+                    float *s = (float *)scales;
+                    s[r] = u.sa;
+                    s[PACK_ROWS + r] = u.ca;
+                    if (split) {
+                        s[2 * PACK_ROWS + r] = u.sb;
+                        s[3 * PACK_ROWS + r] = u.cb;
+                    }
+                }
+            }
+        }
+    }
+    return inexact ? 2 : 0;
+#else
+    (void)type, (void)W, (void)row_bytes, (void)N, (void)K, (void)out;
+    return 1;
+#endif
+}
+
+#if Q8_REPACKED == 512
+/* Rows [0, R) of x (codes q, scales e as kvmemo_quantize_q8 lays them out, half-run offset sums
+ * hs: [m][j][2]) against one group of 16 weight rows -> y[m * ldy + 0..valid). */
+static inline __attribute__((always_inline)) void packed_tile(
+    int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
+    const float *hs, int64_t K, float *y, int64_t ldy, __mmask16 valid) {
+    const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
+    const int split = split_scales(type);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[PACK_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *run = group + j * run_bytes;
+        __m512i w[8];
+        if (nibble_codes(type)) {
+            for (int h = 0; h < 4; h++) {
+                const __m512i b = _mm512_loadu_si512((const void *)(run + 64 * h));
+                w[2 * h] = _mm512_and_si512(b, low);
+                w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            }
+        } else {
+            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(run + 64 * g));
+        }
+        __m512 sa, ca, sb = _mm512_setzero_ps(), cbv = _mm512_setzero_ps();
+        if (half_scales(type)) {
+            sa = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + cb)));
+            ca = type == T_Q8_0 ? _mm512_mul_ps(sa, _mm512_set1_ps(-128.0f))
+                                : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + cb + 32)));
+        } else {
+            const float *sc = (const float *)(run + cb);
+            sa = _mm512_loadu_ps(sc);
+            ca = _mm512_loadu_ps(sc + PACK_ROWS);
+            if (split) {
+                sb = _mm512_loadu_ps(sc + 2 * PACK_ROWS);
+                cbv = _mm512_loadu_ps(sc + 3 * PACK_ROWS);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *quad = q + r * K + 32 * j;
+            const float *d = e + r * 16 * nb + 8 * j, *h = hs + (r * nb + j) * 2;
+            __m512 fa = _mm512_setzero_ps(), fb = _mm512_setzero_ps();
+            for (int g = 0; g < 8; g++) {
+                int32_t codes; /* the row's 4 codes of quad g, broadcast to every lane */
+                memcpy(&codes, quad + 4 * g, 4);
+                const __m512i dot =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[g], _mm512_set1_epi32(codes));
+                if (g < 4 || !split)
+                    fa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g]), fa);
+                else
+                    fb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g]), fb);
+            }
+            if (split) {
+                acc[r] = _mm512_fmadd_ps(fa, sa, acc[r]);
+                acc[r] = _mm512_fmadd_ps(fb, sb, acc[r]);
+                acc[r] = _mm512_fmadd_ps(ca, _mm512_set1_ps(h[0]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(cbv, _mm512_set1_ps(h[1]), acc[r]);
+            } else {
+                acc[r] = _mm512_fmadd_ps(fa, sa, acc[r]);
+                acc[r] = _mm512_fmadd_ps(ca, _mm512_set1_ps(h[0] + h[1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, valid, acc[r]);
+}
+#elif Q8_REPACKED == 256
+/* The 256-bit kernel: the same sums in the same order, on the group's two halves of 8 rows in
+ * turn (sixteen ymm registers hold one half's accumulators, not both). */
+static inline __m256i dot_quad(__m256i codes, int32_t x) {
+    const __m256i q = _mm256_set1_epi32(x);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, q);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), codes, q);
+#else /* codes <= 63 here (Q8_0 is not repacked): pairs stay within int16 */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __attribute__((always_inline)) void packed_tile(
+    int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
+    const float *hs, int64_t K, float *y, int64_t ldy, int64_t live) {
+    const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
+    const int split = split_scales(type);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int half = 0; half < 2 && 8 * half < live; half++) {
+        __m256 acc[PACK_TILE];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nb; j++) {
+            const uint8_t *run = group + j * run_bytes;
+            __m256 fa[PACK_TILE], fb[PACK_TILE];
+            for (int r = 0; r < R; r++) fa[r] = fb[r] = _mm256_setzero_ps();
+            for (int g = 0; g < 8; g++) {
+                __m256i w;
+                if (nibble_codes(type)) {
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(run + 64 * (g / 2) + 32 * half));
+                    w = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(b, 4) : b, low);
+                } else {
+                    w = _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));
+                }
+                for (int r = 0; r < R; r++) {
+                    int32_t codes;
+                    memcpy(&codes, q + r * K + 32 * j + 4 * g, 4);
+                    const __m256 p = _mm256_cvtepi32_ps(dot_quad(w, codes));
+                    const __m256 d = _mm256_set1_ps(e[r * 16 * nb + 8 * j + g]);
+                    if (g < 4 || !split) fa[r] = _mm256_fmadd_ps(p, d, fa[r]);
+                    else fb[r] = _mm256_fmadd_ps(p, d, fb[r]);
+                }
+            }
+            __m256 sa, ca, sb = _mm256_setzero_ps(), cbv = _mm256_setzero_ps();
+            if (half_scales(type)) {
+                sa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + cb + 16 * half)));
+                ca = type == T_Q8_0
+                         ? _mm256_mul_ps(sa, _mm256_set1_ps(-128.0f))
+                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + cb + 32 + 16 * half)));
+            } else {
+                const float *sc = (const float *)(run + cb) + 8 * half;
+                sa = _mm256_loadu_ps(sc);
+                ca = _mm256_loadu_ps(sc + PACK_ROWS);
+                if (split) {
+                    sb = _mm256_loadu_ps(sc + 2 * PACK_ROWS);
+                    cbv = _mm256_loadu_ps(sc + 3 * PACK_ROWS);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const float *h = hs + (r * nb + j) * 2;
+                if (split) {
+                    acc[r] = _mm256_fmadd_ps(fa[r], sa, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(fb[r], sb, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(ca, _mm256_set1_ps(h[0]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(cbv, _mm256_set1_ps(h[1]), acc[r]);
+                } else {
+                    acc[r] = _mm256_fmadd_ps(fa[r], sa, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(ca, _mm256_set1_ps(h[0] + h[1]), acc[r]);
+                }
+            }
+        }
+        const int64_t n = live - 8 * half < 8 ? live - 8 * half : 8;
+        for (int r = 0; r < R; r++) {
+            if (n == 8) {
+                _mm256_storeu_ps(y + r * ldy + 8 * half, acc[r]);
+            } else {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, acc[r]);
+                memcpy(y + r * ldy + 8 * half, lanes, sizeof(float) * (size_t)n);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(Q8_REPACKED)
+
+/* y[m, n] for M rows against the repacked rows [n0, n1) (n0 a multiple of 16). */
+static inline __attribute__((always_inline)) void packed_rows(
+    int type, const uint8_t *P, const int8_t *xq, const float *xd, const float *hs, float *y,
+    int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy) {
+    const int64_t nb = K / 32, run_bytes = packed_run_bytes(type);
+    for (int64_t n = n0; n < n1; n += PACK_ROWS) {
+        const uint8_t *group = P + (n / PACK_ROWS) * nb * run_bytes;
+        const int64_t live = n1 - n < PACK_ROWS ? n1 - n : PACK_ROWS;
+#if Q8_REPACKED == 512
+        const __mmask16 valid = (__mmask16)((1u << live) - 1);
+#else
+        const int64_t valid = live;
+#endif
+        for (int64_t m = 0; m < M; m += PACK_TILE) {
+            const int8_t *q = xq + m * K;
+            const float *e = xd + m * 16 * nb, *h = hs + m * nb * 2;
+            float *out = y + m * ldy + n;
+            switch (M - m < PACK_TILE ? M - m : PACK_TILE) {
+            case 1: packed_tile(type, 1, group, nb, q, e, h, K, out, ldy, valid); break;
+            case 2: packed_tile(type, 2, group, nb, q, e, h, K, out, ldy, valid); break;
+            case 3: packed_tile(type, 3, group, nb, q, e, h, K, out, ldy, valid); break;
+            default: packed_tile(type, 4, group, nb, q, e, h, K, out, ldy, valid); break;
+            }
+        }
+    }
+}
+
+typedef void (*packed_fn)(const uint8_t *, const int8_t *, const float *, const float *, float *,
+                          int64_t, int64_t, int64_t, int64_t, int64_t);
+#define PACKED_KERNEL(T)                                                                       \
+    static void packed_##T(const uint8_t *P, const int8_t *xq, const float *xd, const float *hs, \
+                           float *y, int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy) { \
+        packed_rows(T, P, xq, xd, hs, y, M, n0, n1, K, ldy);                                   \
+    }
+PACKED_KERNEL(T_Q4_0)
+PACKED_KERNEL(T_Q4_1)
+PACKED_KERNEL(T_Q5_0)
+PACKED_KERNEL(T_Q5_1)
+PACKED_KERNEL(T_Q8_0)
+PACKED_KERNEL(T_Q4_K)
+PACKED_KERNEL(T_Q5_K)
+PACKED_KERNEL(T_Q6_K)
+
+static packed_fn packed_kernel(int type) {
+    switch (type) {
+    case T_Q4_0: return packed_T_Q4_0;
+    case T_Q4_1: return packed_T_Q4_1;
+    case T_Q5_0: return packed_T_Q5_0;
+    case T_Q5_1: return packed_T_Q5_1;
+    case T_Q8_0: return packed_T_Q8_0;
+    case T_Q4_K: return packed_T_Q4_K;
+    case T_Q5_K: return packed_T_Q5_K;
+    default: return packed_T_Q6_K;
+    }
+}
+#endif
+#endif

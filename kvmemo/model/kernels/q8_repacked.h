@@ -3,15 +3,16 @@
  * file's unpack(), run_t and the activations' layout).
  *
  * Layout, per group of 16 weight rows (the last padded with zero rows), per 32-value run j:
- *     codes  512 bytes: byte [g][r][i] = unsigned code of row r, value 4g + i of the run;
- *            4-bit types (Q4_0, Q4_1, Q4_K) in 256: quads 2h and 2h + 1 as the low and high
- *            nibbles of bytes [h][r][i]
+ *     codes  the unsigned code of row r, value 4g + i of the run, at index [g][r][i] (512):
+ *            Q8_0 as bytes; the others as nibbles, quads 2h and 2h + 1 the low and high halves
+ *            of bytes [h][r][i] (256 bytes), then one plane of bit 4 (Q5_*) or two of bits 4
+ *            and 5 (Q6_K), bit [g][r][i] of 512 each (64 bytes)
  *     s[16], c[16]     the run's scale and offset per row (value = s * code + c): fp16 for the
  *            types whose scales are fp16 in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact;
  *            Q8_0 stores no c, it is -128 s), fp32 for the K-quants (a 6-bit scale times
  *            an fp16); Q6_K, whose scale changes every 16 values, has the second half's s and
  *            c after them
- * So a Q4_1 weight takes 20 bytes per 32 values, as in the file.
+ * So a Q4_1 weight takes 20 bytes per 32 values, as in the file; Q5_0 24 (22), Q6_K 40 (26.25).
  * A quad g of codes times a row's four int8 activations of that quad is one vpdpbusd against
  * the broadcast quad, for 16 outputs at once; the quad's activation scale (one per 4 values)
  * multiplies the int32 lanes, the run's s and c close the run.
@@ -28,12 +29,20 @@
 
 enum { PACK_ROWS = 16, PACK_TILE = 4 };
 
-static inline int nibble_codes(int type) {
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K;
+/* Codes are nibbles plus this many planes of their higher bits (Q8_0: whole bytes, -1). */
+static inline int bit_planes(int type) {
+    switch (type) {
+    case T_Q8_0: return -1;
+    case T_Q5_0: case T_Q5_1: case T_Q5_K: return 1;
+    case T_Q6_K: return 2;
+    default: return 0;
+    }
 }
 static inline int half_scales(int type) { return type != T_Q4_K && type != T_Q5_K && type != T_Q6_K; }
 static inline int split_scales(int type) { return type == T_Q6_K; }
-static inline int64_t codes_bytes(int type) { return nibble_codes(type) ? 256 : 512; }
+static inline int64_t codes_bytes(int type) {
+    return bit_planes(type) < 0 ? 512 : 256 + 64 * bit_planes(type);
+}
 
 static inline int64_t packed_run_bytes(int type) {
     const int64_t scales = half_scales(type) ? (type == T_Q8_0 ? 32 : 64)
@@ -81,7 +90,7 @@ int kvmemo_q8_repack(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
     if (!repacks(type)) return 1;
     const int64_t nb = K / 32, groups = (N + PACK_ROWS - 1) / PACK_ROWS;
     const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
-    const int nib = nibble_codes(type), half = half_scales(type), split = split_scales(type);
+    const int planes = bit_planes(type), half = half_scales(type), split = split_scales(type);
     int inexact = 0;
     memset(out, 0, (size_t)(groups * nb * run_bytes));
 #pragma omp parallel for schedule(static) reduction(| : inexact)
@@ -95,10 +104,14 @@ int kvmemo_q8_repack(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t code = u.u[4 * g + i];
-                        if (nib)
-                            run[((g / 2) * PACK_ROWS + r) * 4 + i] |= (uint8_t)(code << (4 * (g & 1)));
-                        else
-                            run[(g * PACK_ROWS + r) * 4 + i] = code;
+                        const int64_t at = (g * PACK_ROWS + r) * 4 + i; /* the code's index */
+                        if (planes < 0) {
+                            run[at] = code;
+                            continue;
+                        }
+                        run[((g / 2) * PACK_ROWS + r) * 4 + i] |= (uint8_t)((code & 15) << (4 * (g & 1)));
+                        for (int p = 0; p < planes; p++) /* bit `at` of plane p: bit 4 + p */
+                            run[256 + 64 * p + at / 8] |= (uint8_t)(((code >> (4 + p)) & 1) << (at % 8));
                     }
                 if (half) {
                     inexact |= !store_half(u.sa, scales + 2 * r);
@@ -136,12 +149,19 @@ static inline __attribute__((always_inline)) void packed_tile(
     for (int64_t j = 0; j < nb; j++) {
         const uint8_t *run = group + j * run_bytes;
         __m512i w[8];
-        if (nibble_codes(type)) {
+        if (bit_planes(type) >= 0) {
             for (int h = 0; h < 4; h++) {
                 const __m512i b = _mm512_loadu_si512((const void *)(run + 64 * h));
                 w[2 * h] = _mm512_and_si512(b, low);
                 w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
             }
+            for (int p = 0; p < bit_planes(type); p++) /* + 16 << p where the plane's bit is set */
+                for (int g = 0; g < 8; g++) {
+                    uint64_t bits;
+                    memcpy(&bits, run + 256 + 64 * p + 8 * g, 8);
+                    w[g] = _mm512_mask_add_epi8(w[g], _cvtu64_mask64(bits), w[g],
+                                                _mm512_set1_epi8((char)(16 << p)));
+                }
         } else {
             for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void *)(run + 64 * g));
         }
@@ -200,6 +220,16 @@ static inline __m256i dot_quad(__m256i codes, int32_t x) {
 #endif
 }
 
+/* Bit i of `bits` as byte i: 0xFF where set, 0 where clear. */
+static inline __m256i expand_bits(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
 static inline __attribute__((always_inline)) void packed_tile(
     int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
     const float *hs, int64_t K, float *y, int64_t ldy, int64_t live) {
@@ -215,9 +245,15 @@ static inline __attribute__((always_inline)) void packed_tile(
             for (int r = 0; r < R; r++) fa[r] = fb[r] = _mm256_setzero_ps();
             for (int g = 0; g < 8; g++) {
                 __m256i w;
-                if (nibble_codes(type)) {
+                if (bit_planes(type) >= 0) {
                     const __m256i b = _mm256_loadu_si256((const __m256i *)(run + 64 * (g / 2) + 32 * half));
                     w = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(b, 4) : b, low);
+                    for (int p = 0; p < bit_planes(type); p++) {
+                        uint32_t bits; /* this half's 32 codes of quad g: a bit each */
+                        memcpy(&bits, run + 256 + 64 * p + 8 * g + 4 * half, 4);
+                        w = _mm256_or_si256(w, _mm256_and_si256(expand_bits(bits),
+                                                                _mm256_set1_epi8((char)(16 << p))));
+                    }
                 } else {
                     w = _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));
                 }

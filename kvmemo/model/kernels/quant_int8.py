@@ -158,23 +158,38 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
     return packed
 
 
-_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now; their contents stay what they were
+_MADV_DONTNEED = 4
 
 
 def _page_out(data: torch.Tensor) -> None:
-    """Hands the pages of a repacked weight's GGUF bytes back to the kernel: the products read
-    the repacked copy, so these would otherwise stay resident beside it (the repack touched them
-    all). File-backed pages are dropped and read again if anything touches them (the embedding
-    table's rows); anonymous ones are swapped or kept. Nothing is lost either way; where the
-    kernel refuses, nothing happens."""
+    """Drops a repacked weight's GGUF bytes from this process's resident memory when they are
+    pages of the memory-mapped file: the products read the repacked copy, so these would stay
+    resident beside it (the repack touched them all). MADV_DONTNEED on a file's read-only
+    pages only unmaps them; they stay in the page cache (the next start reads them
+    from memory, not disk) and come back if anything touches them (the embedding table's rows).
+    Anonymous memory (a weight built in memory) is left alone: DONTNEED would zero it."""
     libc = _libc()
     if libc is None:
         return
     page = mmap.PAGESIZE
     start = -(-data.data_ptr() // page) * page
     end = (data.data_ptr() + data.numel() * data.element_size()) // page * page
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+    if end > start and _file_mapping(start, end):
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+def _file_mapping(start: int, end: int) -> bool:
+    """[start, end) lies in one read-only mapping of a file (/proc/self/maps): never written,
+    so its pages are the file's (numpy maps GGUF files shared, read-only)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(a, 16) for a in fields[0].split("-"))
+            if low <= start < high:
+                path = fields[5].strip() if len(fields) > 5 else ""
+                return (end <= high and fields[1].startswith("r-") and path.startswith("/")
+                        and fields[4] != "0")
+    return False
 
 
 @cache

@@ -244,3 +244,22 @@ def test_the_residual_must_not_be_the_output() -> None:
     out = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="must not share memory with the output"):
         Int8Weights([weight])(torch.zeros(2, 64), out, fused=Fused(residual=out))
+
+
+def test_repacking_drops_only_file_pages_and_loses_no_byte(tmp_path) -> None:
+    """After repacking, a weight's bytes read back unchanged whether they live in memory (left
+    alone: dropping anonymous pages would zero them) or in a read-only file mapping (dropped from
+    the process, read again from the file when touched)."""
+    raw = random_blocks(T.Q4_1, 64, 4096, seed=11)  # 80 KiB: whole pages inside
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=raw.shape)
+    for source in (raw.copy(), mapped):
+        weight = QuantizedWeight.from_numpy("w", T.Q4_1, source)
+        before = weight.data.clone()
+        Int8Weights([weight])
+        assert torch.equal(weight.data, before)
+    if quant_int8.repacked(QuantizedWeight.from_numpy("w", T.Q4_1, raw)) is None:
+        pytest.skip("this build reads the GGUF bytes as they are: nothing was repacked")
+    assert quant_int8._file_mapping(mapped.ctypes.data, mapped.ctypes.data + 4096)  # page 0
+    assert not quant_int8._file_mapping(raw.ctypes.data, raw.ctypes.data + 1)

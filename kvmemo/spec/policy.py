@@ -2,9 +2,9 @@
 step cost is highest, from the request's acceptance so far and what k + 1 rows cost here.
 
 A draft of k tokens, each kept with probability a once the ones before it were, yields
-1 + a + ... + a^k tokens for a step that costs C(k) plain decode steps. On a CPU the int8
-kernels compute x rows in tiles of four, and a fifth row starts a pass over unpacked weights:
-C(k) climbs by steps, so a draft is worth verifying whole only when it is very likely kept.
+1 + a + ... + a^k tokens for a step that costs C(k) plain decode steps. On a CPU every extra
+row costs its share of the products (the int8 kernel is compute-bound past a few rows), so C(k)
+climbs about 0.15 a row and long drafts pay only when they are likely kept.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 # One step verifying k drafted tokens, in plain decode steps (k = 0, 1, ...), SmolLM2-135M at a
 # 512-token context, 2 cores, Sapphire Rapids, native ISA: the mean of two sittings of
-# benchmarks/micro/bench_spec_verify.py (docs/benchmarks.md), made non-decreasing. Past the
-# table: its last slope.
-CPU_NATIVE_COST = (1.00, 1.23, 1.35, 1.54, 2.38, 2.55, 2.70, 2.77, 3.08, 3.40, 3.45, 3.56,
-                   4.10, 4.21, 4.43, 4.48, 4.60)
+# benchmarks/micro/bench_spec_verify.py (docs/benchmarks.md), made non-decreasing; native
+# measured with the repacked int8 kernel (1ffc761). Past the table: its last slope.
+CPU_NATIVE_COST = (1.00, 1.25, 1.41, 1.52, 1.67, 1.79, 1.93, 2.15, 2.33, 2.41, 2.57, 2.73,
+                   2.95, 3.13, 3.27, 3.44, 3.75)
 CPU_DENSE_COST = (1.00, 1.12, 1.22, 1.56, 1.56, 1.59, 1.76, 1.80, 1.86, 1.99, 2.04, 2.17,
                   2.24, 2.37, 2.40, 2.55, 2.75)
 # A GPU's decode step reads the weights once for any few rows.

@@ -147,11 +147,15 @@ def test_a_drafts_rows_are_its_plain_steps(drafted):
 def test_the_policy_verifies_long_drafts_only_when_they_are_likely_kept():
     from kvmemo.spec.policy import CPU_NATIVE_COST, GPU_COST, acceptance, best_length
 
-    # A fifth row costs a second pass of the CPU's int8 tiles: only near-certain drafts pay.
-    assert best_length(16, 0.1, CPU_NATIVE_COST) == 0
-    assert best_length(16, 0.8, CPU_NATIVE_COST) == 3
-    assert best_length(16, 0.99, CPU_NATIVE_COST) == 16
-    assert best_length(16, 0.8, GPU_COST) > 3  # a GPU reads the weights once for any few rows
+    # A cost that jumps at the fifth row (a second pass of 4-row tiles): at 0.8 a fifth row's
+    # expected gain (0.8^4 = 0.41 tokens) does not pay a 0.8-step jump; near-certain drafts do.
+    stepped = (1.0, 1.2, 1.35, 1.5, 2.3, 2.45, 2.6, 2.75, 2.9)
+    assert best_length(8, 0.8, stepped) == 3
+    assert best_length(8, 0.99, stepped) == 8
+    # The measured table: longer drafts as acceptance grows, none for unlikely ones.
+    lengths = [best_length(16, a, CPU_NATIVE_COST) for a in (0.1, 0.5, 0.8, 0.95, 0.99)]
+    assert lengths[0] == 0 and lengths == sorted(lengths) and lengths[-1] >= 8
+    assert best_length(16, 0.8, GPU_COST) > lengths[2]  # a GPU reads the weights once
     assert best_length(2, 0.99, CPU_NATIVE_COST) == 2  # never past the draft
     assert acceptance(0, 0) == pytest.approx(0.7)  # the prior
     assert acceptance(90, 2) > 0.9 > acceptance(5, 10)

@@ -43,9 +43,18 @@ class PromptInput:
         """A prompt in a form the offline API (LLM.generate) takes: a string, token ids,
         (multimodal models) {"prompt": "USER: <image>\\nWhat is this?", "images": [...]}, or
         {"segments": [context, chunk, ..., question], "kv_reuse": "blend",
-        "recompute_ratio": 0.15} (the last two optional; see segments.py)."""
+        "recompute_ratio": 0.15} (the last two optional; see segments.py), or vLLM's token
+        form {"prompt_token_ids": [...]}."""
         if not isinstance(prompt, dict):
             return cls(prompt=prompt)
+        if "prompt_token_ids" in prompt:
+            if set(prompt) != {"prompt_token_ids"}:
+                raise InputError(
+                    "prompt",
+                    "a token prompt takes the one key 'prompt_token_ids'; "
+                    f"got {sorted(prompt)}",
+                )
+            return cls(prompt=prompt["prompt_token_ids"])
         if "segments" in prompt:
             unknown = sorted(set(prompt) - {"segments", "kv_reuse", "recompute_ratio"})
             if unknown:
@@ -60,8 +69,8 @@ class PromptInput:
         if unknown or "prompt" not in prompt:
             raise InputError(
                 "prompt",
-                "a dict prompt takes the keys 'prompt' (required) and 'images'; "
-                f"got {sorted(prompt)}",
+                "a dict prompt takes the keys 'prompt' (required) and 'images', or "
+                f"'prompt_token_ids', or 'segments'; got {sorted(prompt)}",
             )
         images = prompt.get("images") or []
         if not isinstance(images, (list, tuple)):

@@ -59,6 +59,9 @@ def test_offline_forms(processor) -> None:
     assert PromptInput.from_offline("hi") == PromptInput(prompt="hi")
     assert PromptInput.from_offline({"segments": ["a", "b"], "kv_reuse": "blend"}) == (
         PromptInput(segments=["a", "b"], kv_reuse="blend"))
+    assert PromptInput.from_offline({"prompt_token_ids": [1, 2]}) == PromptInput(prompt=[1, 2])
+    with pytest.raises(InputError, match="a token prompt takes the one key 'prompt_token_ids'"):
+        PromptInput.from_offline({"prompt_token_ids": [1], "images": []})
     with pytest.raises(InputError, match="a dict prompt takes the keys"):
         PromptInput.from_offline({"text": "hi"})
     with pytest.raises(InputError, match="a segments prompt takes the keys"):

@@ -11,6 +11,7 @@ checked against torch doing the same arithmetic.
 
 from __future__ import annotations
 
+import mmap
 import platform
 
 import numpy as np
@@ -259,7 +260,13 @@ def test_repacking_drops_only_file_pages_and_loses_no_byte(tmp_path) -> None:
         before = weight.data.clone()
         Int8Weights([weight])
         assert torch.equal(weight.data, before)
-    if quant_int8.repacked(QuantizedWeight.from_numpy("w", T.Q4_1, raw)) is None:
-        pytest.skip("this build reads the GGUF bytes as they are: nothing was repacked")
-    assert quant_int8._file_mapping(mapped.ctypes.data, mapped.ctypes.data + 4096)  # page 0
-    assert not quant_int8._file_mapping(raw.ctypes.data, raw.ctypes.data + 1)
+    assert QuantizedWeight.from_numpy("w", T.Q4_1, mapped).file_mapped
+    assert not QuantizedWeight.from_numpy("w", T.Q4_1, raw).file_mapped
+    writable = np.memmap(path, dtype=np.uint8, mode="c", shape=raw.shape)  # copy-on-write
+    assert not QuantizedWeight.from_numpy("w", T.Q4_1, writable).file_mapped
+    with open(path, "rb") as f:
+        read_only = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # as the GGUF reader maps
+        copy_on_write = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for m, expected in ((read_only, True), (copy_on_write, False)):
+        view = np.frombuffer(m, dtype=np.uint8).reshape(raw.shape)
+        assert QuantizedWeight.from_numpy("w", T.Q4_1, view).file_mapped is expected

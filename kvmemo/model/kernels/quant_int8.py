@@ -153,7 +153,7 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
     assert status in (0, 2), f"q8_repack status {status}"
     packed = out if status == 0 else None  # 2: a scale beyond fp16's range, read as it is
     _REPACKED[weight] = packed
-    if packed is not None:
+    if packed is not None and weight.file_mapped:
         _page_out(weight.data)
     return packed
 
@@ -162,34 +162,20 @@ _MADV_DONTNEED = 4
 
 
 def _page_out(data: torch.Tensor) -> None:
-    """Drops a repacked weight's GGUF bytes from this process's resident memory when they are
-    pages of the memory-mapped file: the products read the repacked copy, so these would stay
-    resident beside it (the repack touched them all). MADV_DONTNEED on a file's read-only
-    pages only unmaps them; they stay in the page cache (the next start reads them
-    from memory, not disk) and come back if anything touches them (the embedding table's rows).
-    Anonymous memory (a weight built in memory) is left alone: DONTNEED would zero it."""
+    """Drops a repacked weight's GGUF bytes, pages of a file mapped read-only
+    (QuantizedWeight.file_mapped), from this process's resident memory: the products read the
+    repacked copy, so these would stay resident beside it (the repack touched them all).
+    MADV_DONTNEED on such pages only unmaps them; they stay in the page cache (the next start
+    reads them from memory, not disk) and come back if anything touches them (the embedding
+    table's rows). Never on anonymous or writable memory: there DONTNEED would zero it."""
     libc = _libc()
     if libc is None:
         return
     page = mmap.PAGESIZE
     start = -(-data.data_ptr() // page) * page
     end = (data.data_ptr() + data.numel() * data.element_size()) // page * page
-    if end > start and _file_mapping(start, end):
+    if end > start:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-
-
-def _file_mapping(start: int, end: int) -> bool:
-    """[start, end) lies in one read-only mapping of a file (/proc/self/maps): never written,
-    so its pages are the file's (numpy maps GGUF files shared, read-only)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            low, high = (int(a, 16) for a in fields[0].split("-"))
-            if low <= start < high:
-                path = fields[5].strip() if len(fields) > 5 else ""
-                return (end <= high and fields[1].startswith("r-") and path.startswith("/")
-                        and fields[4] != "0")
-    return False
 
 
 @cache

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -65,6 +66,9 @@ class QuantizedWeight:
     qtype: GGMLQuantizationType
     data: torch.Tensor  # uint8 [num_rows, row_bytes], contiguous (a view of the mapped file)
     num_cols: int
+    # data is a view of a file mapped read-only: its pages are the file's, so a kernel that
+    # keeps its own copy may drop them from the process (quant_int8.repacked)
+    file_mapped: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in NATIVE_TYPES:
@@ -88,9 +92,10 @@ class QuantizedWeight:
         values, size = GGML_QUANT_SIZES[qtype]
         raw = raw if raw.dtype == np.uint8 else np.ascontiguousarray(raw).view(np.uint8)
         rows = raw.reshape(raw.shape[0] if raw.ndim > 1 else 1, -1)
+        rows = np.ascontiguousarray(rows)
         with _quiet_readonly():
-            data = torch.from_numpy(np.ascontiguousarray(rows))
-        return cls(name, qtype, data, rows.shape[1] // size * values)
+            data = torch.from_numpy(rows)
+        return cls(name, qtype, data, rows.shape[1] // size * values, _read_only_map(rows))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -160,3 +165,16 @@ def _quiet_readonly() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         yield
+
+
+def _read_only_map(array: np.ndarray) -> bool:
+    """`array` is a view of a file mapped read-only: an mmap.mmap opened with ACCESS_READ (the
+    GGUF reader's) or a np.memmap in mode "r"; not a copy, not a writable or copy-on-write map."""
+    base: Any = array
+    while base is not None:
+        if isinstance(base, np.memmap):
+            return base.mode == "r"
+        if isinstance(base, memoryview):  # np.frombuffer's base
+            return base.readonly and isinstance(base.obj, mmap.mmap)
+        base = getattr(base, "base", None)
+    return False

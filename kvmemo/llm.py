@@ -50,7 +50,8 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or many: strings, token-id lists, or (multimodal models)
+        """Generate for one prompt or many: strings, token-id lists, vLLM's
+        {"prompt_token_ids": [...]}, or (multimodal models)
         {"prompt": "USER: <image>\\nWhat is this?", "images": [PIL image | path | bytes, ...]}."""
         processed = [self.processor.process_any(p) for p in _as_prompt_list(prompts)]
         return self._run(processed, sampling_params, use_tqdm, cache_salt)

@@ -24,7 +24,7 @@ import platform
 import statistics
 import time
 
-from benchmarks.machine_info import cpu_label
+from benchmarks.machine_info import cpu_label, forced_isa
 from benchmarks.paths import RESULTS
 
 MODELS = ("smollm2", "gemma3-270m")
@@ -240,6 +240,8 @@ def main() -> None:
         suffix = ("" if args.weights == "dense" else f"-{args.weights}") + (
             "" if args.dtype == "float32" else f"-{args.dtype}"
         )
+    forced = forced_isa()  # a forced-ISA run keeps its own file beside the native one
+    suffix += f"-{forced}" if forced else ""
     out = RESULTS / f"{args.model}-{args.engine}{suffix}.json"
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -270,3 +270,20 @@ def test_repacking_drops_only_file_pages_and_loses_no_byte(tmp_path) -> None:
     for m, expected in ((read_only, True), (copy_on_write, False)):
         view = np.frombuffer(m, dtype=np.uint8).reshape(raw.shape)
         assert QuantizedWeight.from_numpy("w", T.Q4_1, view).file_mapped is expected
+
+
+def test_a_scale_beyond_the_repacked_layout_is_read_as_it_is(build: str) -> None:
+    """A Q4_0 scale whose offset (-8 d) leaves fp16 cannot be repacked: that weight keeps the
+    row kernel and its products stay the reference's."""
+    raw = random_blocks(T.Q4_0, 20, 64, seed=12)
+    raw.view(np.uint8).reshape(20, -1)[3, 0:2] = np.frombuffer(
+        np.float16(10000.0).tobytes(), dtype=np.uint8)  # row 3's first block: d = 10,000
+    weight = QuantizedWeight.from_numpy("w", T.Q4_0, raw)
+    dense = torch.from_numpy(dequantize(raw, T.Q4_0).astype(np.float32))
+    kernel = Int8Weights([weight])
+    assert kernel.packed == [None]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(13))
+    rounded, _ = _rounded(x)
+    expected = F.linear(rounded.double(), dense.double())
+    magnitude = F.linear(rounded.abs().double(), dense.abs().double())
+    assert bool(((kernel(x).double() - expected).abs() <= 2e-6 * magnitude + 1e-6).all())

@@ -256,7 +256,6 @@ typedef struct {
     __m256i u, w;
     __m256 s, c;
 } unpacked_t;
-enum { RUNS_PER_UNPACKED = 1 };
 
 static inline __attribute__((always_inline)) unpacked_t unpack_run(int type, const uint8_t *row,
                                                                    int64_t j) {
@@ -321,10 +320,9 @@ static inline __attribute__((always_inline)) void rows_of_type(
     int64_t M, int64_t n0, int64_t n1, int64_t K, int64_t ldy, void *scratch) {
     const int64_t nb = K / 32;
 #if defined(__AVX2__)
-    const int64_t per_row = (nb + RUNS_PER_UNPACKED - 1) / RUNS_PER_UNPACKED;
     unpacked_t *runs = M > TILE ? (unpacked_t *)scratch : NULL;
     if (runs)
-        for (int64_t n = n0; n < n1; n++) pack_row(type, W + n * row_bytes, nb, runs + (n - n0) * per_row);
+        for (int64_t n = n0; n < n1; n++) pack_row(type, W + n * row_bytes, nb, runs + (n - n0) * nb);
     /* x tile outside, weight rows inside: a tile's codes (TILE rows) stay in L1 while the
      * task's few weight rows stream past them. */
     for (int64_t m = 0; m < M; m += TILE) {
@@ -332,7 +330,7 @@ static inline __attribute__((always_inline)) void rows_of_type(
         const float *e = xd + m * 16 * nb;
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *row = W + n * row_bytes;
-            const unpacked_t *r = runs ? runs + (n - n0) * per_row : NULL;
+            const unpacked_t *r = runs ? runs + (n - n0) * nb : NULL;
             float *out = y + m * ldy + n;
             switch (M - m < TILE ? M - m : TILE) {
             case 1: row_tile(type, 1, row, r, q, e, K, out, ldy); break;
@@ -403,8 +401,7 @@ static int64_t rows_per_pass(int64_t K) {
 /* Bytes of a task's unpacked weight runs (CHUNK rows), 0 where nothing is unpacked ahead. */
 static size_t unpacked_bytes(int64_t K) {
 #if defined(__AVX2__)
-    const int64_t nb = K / 32, per_row = (nb + RUNS_PER_UNPACKED - 1) / RUNS_PER_UNPACKED;
-    return sizeof(unpacked_t) * (size_t)(CHUNK * per_row);
+    return sizeof(unpacked_t) * (size_t)(CHUNK * (K / 32));
 #else
     (void)K;
     return 0;
@@ -500,6 +497,7 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
                            int64_t ldy, const q8_options *opts) {
     rows_fn fn[MAX_PARTS];
     int64_t row_bytes[MAX_PARTS], first_chunk[MAX_PARTS + 1], column[MAX_PARTS];
+    int is_packed[MAX_PARTS], any_packed = 0, any_unpacked = 0;
     const int64_t K = w->K, num_parts = w->num_parts;
     if (num_parts < 1 || num_parts > MAX_PARTS) return 1;
     first_chunk[0] = 0;
@@ -507,6 +505,13 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
         int64_t values, bytes;
         if (!kernel_for(w->types[p], &fn[p], &values, &bytes)) return 1;
         if (K % values) return 2;
+#if defined(Q8_REPACKED)
+        is_packed[p] = w->packed[p] && repacks(w->types[p]);
+#else
+        is_packed[p] = 0;
+#endif
+        any_packed |= is_packed[p];
+        any_unpacked |= !is_packed[p];
         row_bytes[p] = K / values * bytes;
         column[p] = p ? column[p - 1] + w->N[p - 1] : 0;
         first_chunk[p + 1] = first_chunk[p] + (w->N[p] + CHUNK - 1) / CHUNK;
@@ -515,8 +520,9 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * 16 * nb));
     float *row = malloc(sizeof(float) * (size_t)K);
-    float *hs = malloc(sizeof(float) * (size_t)(M * nb * 2)); /* per run: two halves' d * sum */
-    if (!xq || !xd || !row || !hs) {
+    /* per run of each row: its two halves' d * sum (the repacked kernel's offset terms) */
+    float *hs = any_packed ? malloc(sizeof(float) * (size_t)(M * nb * 2)) : NULL;
+    if (!xq || !xd || !row || (any_packed && !hs)) {
         free(xq);
         free(xd);
         free(row);
@@ -527,14 +533,14 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
         prepare_row(x + m * ldx, K, opts, row);
         kvmemo_quantize_q8(row, 1, K, K, xq + m * K, xd + m * 16 * nb);
         const float *c = xd + m * 16 * nb + 8 * nb;
-        for (int64_t j = 0; j < nb; j++) {
+        for (int64_t j = 0; hs && j < nb; j++) {
             hs[(m * nb + j) * 2] = (c[8 * j] + c[8 * j + 1]) + (c[8 * j + 2] + c[8 * j + 3]);
             hs[(m * nb + j) * 2 + 1] = (c[8 * j + 4] + c[8 * j + 5]) + (c[8 * j + 6] + c[8 * j + 7]);
         }
     }
     free(row);
     const int64_t pass = rows_per_pass(K);
-    const size_t scratch_bytes = M > TILE ? unpacked_bytes(K) : 0;
+    const size_t scratch_bytes = M > TILE && any_unpacked ? unpacked_bytes(K) : 0;
     int failed = 0;
     for (int64_t m0 = 0; m0 < M; m0 += pass) {
         const int64_t rows = M - m0 < pass ? M - m0 : pass;
@@ -556,7 +562,7 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
                 const int64_t n0 = (c - first_chunk[p]) * CHUNK;
                 const int64_t n1 = n0 + CHUNK < w->N[p] ? n0 + CHUNK : w->N[p];
 #if defined(Q8_REPACKED)
-                if (w->packed[p] && repacks(w->types[p])) {
+                if (is_packed[p]) {
                     packed_kernel(w->types[p])(w->packed[p], q, e, hs + m0 * nb * 2,
                                                y + m0 * ldy + column[p], rows, n0, n1, K, ldy);
                     continue;

@@ -145,7 +145,7 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
     size = lib.repacked_bytes(int(weight.qtype), rows, weight.num_cols)
     if size == 0:
         return None
-    out = torch.empty(size + 64, dtype=torch.uint8)  # 64-byte aligned view below: vector loads
+    out = torch.empty(size + 64, dtype=torch.uint8)  # a 64-byte aligned view: no load splits a line
     start = (-out.data_ptr()) % 64
     out = out[start : start + size]
     status = lib.repack(int(weight.qtype), weight.data.data_ptr(), weight.data.shape[1], rows,
@@ -191,8 +191,9 @@ def _libc() -> ctypes.CDLL | None:
 class Int8Weights:
     """Quantized weights [N_p, K] that one kernel call multiplies, writing consecutive column
     ranges of one output (a fused q/k/v or gate/up, which may mix GGUF types). Where this CPU's
-    build has the repacked kernel (AVX512-VNNI), the weights are repacked for it here, once, and
-    every row count takes it; elsewhere the kernel reads the GGUF bytes as they are."""
+    build has the repacked kernel (AVX2 and up; Q8_0 on AVX2 only with a VNNI dot), the weights
+    are repacked for it here, once, and every row count takes it; elsewhere (plain x86-64) the
+    kernel reads the GGUF bytes as they are."""
 
     def __init__(self, weights: Sequence[QuantizedWeight]) -> None:
         if not 1 <= len(weights) <= MAX_PARTS:

@@ -159,6 +159,39 @@ def test_gemma3_native_agrees_with_dense_greedy(gemma3_gguf) -> None:
     assert outs[0][:4] == outs[1][:4]
 
 
+@pytest.mark.model
+def test_gemma3_fused_step_computes_the_layer(gemma3_gguf) -> None:
+    """Gemma 3's native layers take the fused two-call step (llama_fast.GemmaFusedLayerStep,
+    its four norms, per-head norms and GELU folded in): the same logits as the layer's own
+    forward over the same kernels, up to the float order of those small ops."""
+    from kvmemo.model.models.llama_fast import GemmaFusedLayerStep
+
+    llm = LLM(str(gemma3_gguf), weights="native", kv_cache_memory="64MiB")
+    model = llm.engine.runner.model
+    layers = list(model.layers)
+    assert all(isinstance(layer.fused_step, GemmaFusedLayerStep) for layer in layers)
+    config = model.config
+    attention = dense_causal_attention(config.num_attention_heads, config.num_key_value_heads,
+                                       config.attention_scale)
+    ids = torch.tensor(llm.engine.processor.encode_prompt("The capital of France is Paris. The"))
+    positions = torch.arange(len(ids))
+    with torch.inference_mode():
+        fused = model.compute_logits(model(ids, positions, attention))
+        steps = [layer.fused_step for layer in layers]
+        for layer in layers:
+            layer.fused_step = None
+        try:
+            unfused = model.compute_logits(model(ids, positions, attention))
+        finally:
+            for layer, step in zip(layers, steps):
+                layer.fused_step = step
+    # Each layer's output moves by 2-6e-5 of its norm (an int8 code may round the other way), and
+    # Gemma's residual stream (entries in the thousands) carries that through 18 layers: ~1% of
+    # the largest logit; wiring a norm wrong moves them by tens of percent.
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0.02 * float(unfused.abs().max()))
+    assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
+
+
 def test_native_rows_do_not_depend_on_the_rows_beside_them() -> None:
     """Batch invariance: a row's product is the same bits in a call of 1 row, 5, 37 or 300 (past
     the kernel's tile of 4 and its pass of x rows), and within the int8 bound of x @ W^T."""

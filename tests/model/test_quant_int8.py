@@ -192,6 +192,42 @@ def test_fused_norm_gating_residual_and_rope_match_torch() -> None:
     torch.testing.assert_close(got[:, 3 * 64 :], plain[:, 3 * 64 :])  # the last head: no RoPE
 
 
+def test_gemma_options_match_torch() -> None:
+    """Gemma's folded ops: tanh-GELU gating, per-head q/k norms before RoPE, a norm of the
+    product before the residual add; each against torch's own op on the kernel's plain output."""
+    gen = torch.Generator().manual_seed(6)
+    weight, dense = _weight(T.Q4_K, 4 * 64, 256, seed=9)
+    gate_up = 3 * torch.randn(3, 512, generator=gen)  # tails of GELU's tanh too
+    got = Int8Weights([weight])(gate_up, fused=Fused(gated=True, gelu=True))
+    _check_within_bound(got, F.gelu(gate_up[:, :256], approximate="tanh") * gate_up[:, 256:], dense)
+
+    x = torch.randn(3, 256, generator=gen)
+    plain = Int8Weights([weight])(x)
+    q_norm, k_norm = torch.rand(64, generator=gen) + 0.5, torch.rand(64, generator=gen) + 0.5
+    positions = torch.tensor([0, 5, 700])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    angles = positions[:, None].float() * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    got = Int8Weights([weight])(x, fused=Fused(
+        eps=1e-6, rope=(cos, sin, 3 * 64, 64), head_norms=(q_norm, k_norm, 2 * 64, 64)))
+    heads = plain.view(3, 4, 64)
+    normed = torch.cat([F.rms_norm(heads[:, :2], (64,), q_norm, 1e-6),
+                        F.rms_norm(heads[:, 2:3], (64,), k_norm, 1e-6)], dim=1)
+    rotated = apply_rotary(normed, cos[:, None], sin[:, None])
+    torch.testing.assert_close(got[:, : 3 * 64], rotated.reshape(3, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, 3 * 64 :], plain[:, 3 * 64 :])  # v: untouched
+
+    post = torch.rand(256, generator=gen) + 0.5
+    residual = torch.randn(3, 256, generator=gen)
+    got = Int8Weights([weight])(x, fused=Fused(eps=1e-6, post_norm=post, residual=residual))
+    torch.testing.assert_close(got, residual + F.rms_norm(plain, (256,), post, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="head norms need rope's head_dim"):
+        Int8Weights([weight])(x, fused=Fused(head_norms=(q_norm, k_norm, 64, 64)))
+    with pytest.raises(ValueError, match=r"post_norm must be contiguous fp32 \[256\]"):
+        Int8Weights([weight])(x, fused=Fused(post_norm=post[:128]))
+
+
 def _check_within_bound(got: torch.Tensor, prepared: torch.Tensor, dense: torch.Tensor) -> None:
     """got = q8(prepared) . dense^T: within half a code per value of the exact product (the
     kernel prepares in another float order, so a code may round the other way)."""
@@ -223,6 +259,29 @@ def test_mlp_block_is_attention_residual_then_gated_mlp() -> None:
     h_kernel = Int8Weights([o_proj])(attn, fused=Fused(residual=hidden))
     gate_up = Int8Weights([gate, up])(h_kernel, fused=Fused(norm=norm, eps=1e-6))
     chained = Int8Weights([down])(gate_up, fused=Fused(gated=True, residual=h_kernel))
+    torch.testing.assert_close(got, chained, rtol=0, atol=0)
+
+
+def test_mlp_block_takes_gemmas_post_norms_and_gelu() -> None:
+    gen = torch.Generator().manual_seed(7)
+    hidden_size, inter = 64, 96
+    o_proj, o_dense = _weight(T.Q8_0, hidden_size, 64, seed=1)
+    gate, gate_dense = _weight(T.Q5_1, inter, hidden_size, seed=2)
+    up, up_dense = _weight(T.Q4_0, inter, hidden_size, seed=3)
+    down, down_dense = _weight(T.Q8_0, hidden_size, inter, seed=4)
+    attn, hidden = torch.randn(2, 64, generator=gen), torch.randn(2, hidden_size, generator=gen)
+    norm, post_o, post_mlp = (torch.rand(hidden_size, generator=gen) + 0.5 for _ in range(3))
+    got = mlp_block(attn, hidden, Int8Weights([o_proj]), norm, 1e-6, Int8Weights([gate, up]),
+                    Int8Weights([down]), post_norms=(post_o, post_mlp), gelu=True)
+    h = hidden + F.rms_norm(F.linear(attn, o_dense), (hidden_size,), post_o, 1e-6)
+    normed = F.rms_norm(h, (hidden_size,), norm, 1e-6)
+    act = F.gelu(F.linear(normed, gate_dense), approximate="tanh") * F.linear(normed, up_dense)
+    expected = h + F.rms_norm(F.linear(act, down_dense), (hidden_size,), post_mlp, 1e-6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.03 * float(expected.abs().max()))
+    h_kernel = Int8Weights([o_proj])(attn, fused=Fused(eps=1e-6, post_norm=post_o, residual=hidden))
+    gate_up = Int8Weights([gate, up])(h_kernel, fused=Fused(norm=norm, eps=1e-6))
+    chained = Int8Weights([down])(gate_up, fused=Fused(
+        gated=True, gelu=True, eps=1e-6, post_norm=post_mlp, residual=h_kernel))
     torch.testing.assert_close(got, chained, rtol=0, atol=0)
 
 

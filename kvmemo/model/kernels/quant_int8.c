@@ -426,35 +426,66 @@ static int kernel_for(int type, rows_fn *fn, int64_t *values, int64_t *bytes) {
  * one call instead of a handful of small tensor ops (each costs more than its arithmetic). */
 typedef struct {
     const float *norm; /* RMSNorm each x row first: x * rsqrt(mean(x^2) + eps) * norm[k] */
-    float eps;
-    int32_t gated;          /* x rows are [gate | up], 2K wide: the input is silu(gate) * up */
+    float eps;              /* every norm's of the call */
+    int32_t gated;          /* x rows are [gate | up], 2K wide: the input is act(gate) * up */
     const float *residual;  /* y = residual + product, rows ldr apart (not y: y is written first) */
     int64_t ldr;
     const float *cos, *sin; /* rotate-half RoPE over y's first rope_cols columns, [M, D/2] */
     int64_t rope_cols, head_dim;
+    /* Gemma's block shape: */
+    int32_t gelu;           /* act is tanh-GELU (else SiLU) */
+    const float *q_norm, *k_norm; /* RMSNorm of each head_dim-wide head of y's first q_cols
+                                   * columns (q_norm), then of the next k_cols (k_norm), before
+                                   * RoPE */
+    int64_t q_cols, k_cols;
+    const float *post_norm; /* RMSNorm of each y row (the product) before the residual add */
 } q8_options;
+
+/* x * rsqrt(mean(x^2) + eps) * w over n values, in place. */
+static inline void rmsnorm_row(float *x, int64_t n, const float *w, float eps) {
+    float ss = 0.0f;
+    for (int64_t k = 0; k < n; k++) ss += x[k] * x[k];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t k = 0; k < n; k++) x[k] = x[k] * r * w[k];
+}
+
+/* tanh-approximated GELU (torch's approximate="tanh", Gemma's gelu_pytorch_tanh), with tanh u
+ * as 1 - 2 / (e^2u + 1) so that the loop vectorizes (exp_poly saturates: tanh stays in [-1, 1]) */
+#pragma omp declare simd
+static inline float gelu_tanh(float x) {
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + (1.0f - 2.0f / (exp_poly(2.0f * u) + 1.0f)));
+}
 
 /* Row m of the product's input, after the options' norm or gating, into out[K]. */
 static void prepare_row(const float *x, int64_t K, const q8_options *o, float *out) {
-    if (o && o->gated) {
+    if (o && o->gated && o->gelu) {
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) out[k] = gelu_tanh(x[k]) * x[K + k];
+    } else if (o && o->gated) {
 #pragma omp simd
         for (int64_t k = 0; k < K; k++) {
             const float g = x[k];
             out[k] = g / (1.0f + exp_poly(-g)) * x[K + k];
         }
     } else if (o && o->norm) {
-        float ss = 0.0f;
-        for (int64_t k = 0; k < K; k++) ss += x[k] * x[k];
-        const float r = 1.0f / sqrtf(ss / (float)K + o->eps);
-        for (int64_t k = 0; k < K; k++) out[k] = x[k] * r * o->norm[k];
+        memcpy(out, x, sizeof(float) * (size_t)K);
+        rmsnorm_row(out, K, o->norm, o->eps);
     } else {
         memcpy(out, x, sizeof(float) * (size_t)K);
     }
 }
 
-/* RoPE on y's first rope_cols columns (whole heads), then the residual add. */
+/* Per-head norms, RoPE on y's first rope_cols columns (whole heads), the row's norm, then the
+ * residual add. */
 static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_options *o) {
     if (!o) return;
+    for (int64_t m = 0; o->q_norm && m < M; m++) {
+        for (int64_t h = 0; h < o->q_cols; h += o->head_dim)
+            rmsnorm_row(y + m * ldy + h, o->head_dim, o->q_norm, o->eps);
+        for (int64_t h = o->q_cols; h < o->q_cols + o->k_cols; h += o->head_dim)
+            rmsnorm_row(y + m * ldy + h, o->head_dim, o->k_norm, o->eps);
+    }
     if (o->cos) {
         const int64_t half = o->head_dim / 2;
         for (int64_t m = 0; m < M; m++) {
@@ -469,6 +500,7 @@ static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_op
             }
         }
     }
+    for (int64_t m = 0; o->post_norm && m < M; m++) rmsnorm_row(y + m * ldy, N, o->post_norm, o->eps);
     if (o->residual)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * ldy + n] += o->residual[m * o->ldr + n];
@@ -587,13 +619,16 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
     return 0;
 }
 
-/* A Llama layer after attention, for M tokens: h = hidden + o_proj(attn); out = h +
- * down(silu(gate) * up) with [gate | up] = gate_up(rmsnorm(h) * norm). out [M, H] may be hidden.
- * Why one call: three products and the small ops between them, with no return to Python. */
+/* A decoder layer after attention, for M tokens: h = hidden + post_o(o_proj(attn)); out = h +
+ * post_mlp(down(act(gate) * up)) with [gate | up] = gate_up(rmsnorm(h) * norm). A Llama layer
+ * has no post norms (NULL) and SiLU (gelu 0); a Gemma layer has both norms and tanh-GELU. out
+ * [M, H] may be hidden. Why one call: three products and the small ops between them, with no
+ * return to Python. */
 int kvmemo_q8_mlp_block(const float *attn, int64_t lda, const float *hidden, int64_t ldh,
                         int64_t M, const q8_weights *o_proj, const float *norm, float eps,
                         const q8_weights *gate_up, const q8_weights *down, float *out,
-                        int64_t ldo) {
+                        int64_t ldo, const float *post_o_norm, const float *post_mlp_norm,
+                        int32_t gelu) {
     const int64_t H = o_proj->N[0], I2 = gate_up->N[0] + gate_up->N[1];
     if (o_proj->num_parts != 1 || gate_up->num_parts != 2 || down->num_parts != 1) return 1;
     float *h = malloc(sizeof(float) * (size_t)(M * H)), *gu = malloc(sizeof(float) * (size_t)(M * I2));
@@ -605,6 +640,8 @@ int kvmemo_q8_mlp_block(const float *attn, int64_t lda, const float *hidden, int
     q8_options o = {0};
     o.residual = hidden;
     o.ldr = ldh;
+    o.post_norm = post_o_norm;
+    o.eps = eps;
     int status = kvmemo_quant_linear_q8(attn, M, lda, o_proj, h, H, &o);
     if (!status) {
         q8_options n = {0};
@@ -615,8 +652,11 @@ int kvmemo_q8_mlp_block(const float *attn, int64_t lda, const float *hidden, int
     if (!status) {
         q8_options g = {0};
         g.gated = 1;
+        g.gelu = gelu;
         g.residual = h;
         g.ldr = H;
+        g.post_norm = post_mlp_norm;
+        g.eps = eps;
         status = kvmemo_quant_linear_q8(gu, M, I2, down, out, ldo, &g);
     }
     free(h);

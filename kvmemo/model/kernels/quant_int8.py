@@ -64,7 +64,8 @@ def kernel_library(march: str = "native") -> _Library | None:
     linear.argtypes = [_p, _i64, _i64, _p, _p, _i64, _p]
     mlp_block = library.kvmemo_q8_mlp_block
     mlp_block.restype = ctypes.c_int
-    mlp_block.argtypes = [_p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_float, _p, _p, _p, _i64]
+    mlp_block.argtypes = [_p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_float, _p, _p, _p, _i64,
+                          _p, _p, ctypes.c_int32]
     repacked_bytes = library.kvmemo_q8_repacked_bytes
     repacked_bytes.restype = _i64
     repacked_bytes.argtypes = [ctypes.c_int, _i64, _i64]
@@ -93,7 +94,8 @@ class _Options(ctypes.Structure):
     _fields_ = [
         ("norm", _p), ("eps", ctypes.c_float), ("gated", ctypes.c_int32),
         ("residual", _p), ("ldr", _i64), ("cos", _p), ("sin", _p),
-        ("rope_cols", _i64), ("head_dim", _i64),
+        ("rope_cols", _i64), ("head_dim", _i64), ("gelu", ctypes.c_int32),
+        ("q_norm", _p), ("k_norm", _p), ("q_cols", _i64), ("k_cols", _i64), ("post_norm", _p),
     ]
 
 
@@ -101,19 +103,27 @@ class _Options(ctypes.Structure):
 class Fused:
     """Work folded into one Int8Weights call (a decode step's small ops, see the C options).
 
-    norm: RMSNorm each x row first (x * rsqrt(mean(x^2) + eps) * norm), fp32 [K].
-    gated: x rows are [gate | up] (2K wide) and the input is silu(gate) * up.
-    residual: the output is residual + product (residual [M, N] fp32, not the output itself:
-    the product is written before the residual is added).
+    norm: RMSNorm each x row first (x * rsqrt(mean(x^2) + eps) * norm), fp32 [K]; eps is every
+    norm's of the call.
+    gated: x rows are [gate | up] (2K wide) and the input is act(gate) * up, act SiLU, or
+    tanh-GELU where gelu.
+    head_norms: (q_norm, k_norm fp32 [head_dim], q_cols, k_cols): RMSNorm of each head of the
+    output's first q_cols columns and of the next k_cols (Gemma's), before RoPE; needs rope.
     rope: (cos, sin [M, D/2] fp32 contiguous, columns, head_dim): rotate-half RoPE over the
     output's first `columns` columns.
+    post_norm: RMSNorm of each output row, fp32 [N], before the residual add (Gemma's).
+    residual: the output is residual + product (residual [M, N] fp32, not the output itself:
+    the product is written before the residual is added).
     """
 
     norm: torch.Tensor | None = None
     eps: float = 0.0
     gated: bool = False
-    residual: torch.Tensor | None = None
+    gelu: bool = False
+    head_norms: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+    post_norm: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
 
 
 def _library() -> _Library | None:
@@ -248,11 +258,13 @@ class Int8Weights:
         return out
 
     def _options(self, fused: Fused, rows: int, out: torch.Tensor) -> _Options:
-        options = _Options(eps=fused.eps, gated=int(fused.gated))
-        if fused.norm is not None:
-            if fused.norm.dtype != torch.float32 or fused.norm.shape != (self.num_cols,):
-                raise ValueError(f"norm must be fp32 [{self.num_cols}]")
-            options.norm = fused.norm.data_ptr()
+        options = _Options(eps=fused.eps, gated=int(fused.gated), gelu=int(fused.gelu))
+        for name, norm, size in (("norm", fused.norm, self.num_cols),
+                                 ("post_norm", fused.post_norm, self.num_out)):
+            if norm is not None:
+                if norm.dtype != torch.float32 or norm.shape != (size,) or not norm.is_contiguous():
+                    raise ValueError(f"{name} must be contiguous fp32 [{size}]")
+                setattr(options, name, norm.data_ptr())
         if fused.residual is not None:
             residual = fused.residual
             if (residual.dtype != torch.float32 or residual.shape != (rows, self.num_out)
@@ -273,15 +285,31 @@ class Int8Weights:
                                  f"{self.num_out}")
             options.cos, options.sin = cos.data_ptr(), sin.data_ptr()
             options.rope_cols, options.head_dim = columns, head_dim
+        if fused.head_norms is not None:
+            q_norm, k_norm, q_cols, k_cols = fused.head_norms
+            head_dim = options.head_dim
+            if not head_dim or q_cols % head_dim or k_cols % head_dim or (
+                    q_cols + k_cols > self.num_out):
+                raise ValueError(f"head norms need rope's head_dim and whole heads within "
+                                 f"{self.num_out} columns, got {q_cols} + {k_cols}")
+            for norm in (q_norm, k_norm):
+                if norm.dtype != torch.float32 or norm.shape != (head_dim,) or (
+                        not norm.is_contiguous()):
+                    raise ValueError(f"head norms must be contiguous fp32 [{head_dim}]")
+            options.q_norm, options.k_norm = q_norm.data_ptr(), k_norm.data_ptr()
+            options.q_cols, options.k_cols = q_cols, k_cols
         return options
 
 
 def mlp_block(attn: torch.Tensor, hidden: torch.Tensor, o_proj: Int8Weights,
-              norm: torch.Tensor, eps: float, gate_up: Int8Weights, down: Int8Weights
+              norm: torch.Tensor, eps: float, gate_up: Int8Weights, down: Int8Weights,
+              post_norms: tuple[torch.Tensor, torch.Tensor] | None = None, gelu: bool = False,
               ) -> torch.Tensor:
-    """A Llama layer after attention in one call: h = hidden + o_proj(attn), then
-    h + down(silu(gate) * up) with [gate | up] = gate_up(rmsnorm(h) * norm). attn [M, q_size],
-    hidden [M, H] fp32 with unit column stride; gate_up has exactly two parts (gate, up)."""
+    """A decoder layer after attention in one call: h = hidden + post_o(o_proj(attn)), then
+    h + post_mlp(down(act(gate) * up)) with [gate | up] = gate_up(rmsnorm(h) * norm). attn
+    [M, q_size], hidden [M, H] fp32 with unit column stride; gate_up has exactly two parts
+    (gate, up). A Llama layer: no post norms, act SiLU; a Gemma one: post_norms (post_o,
+    post_mlp: contiguous fp32 [H]), act tanh-GELU (gelu)."""
     lib = _require()
     rows = hidden.shape[0]
     if len(gate_up.weights) != 2 or len(o_proj.weights) != 1 or len(down.weights) != 1:
@@ -290,11 +318,17 @@ def mlp_block(attn: torch.Tensor, hidden: torch.Tensor, o_proj: Int8Weights,
         if t.dtype != torch.float32 or t.shape != (rows, cols) or t.stride(1) != 1:
             raise ValueError(f"expected fp32 [{rows}, {cols}] with unit column stride, got "
                              f"{t.dtype} {tuple(t.shape)}")
+    for post in post_norms or ():
+        if post.dtype != torch.float32 or post.shape != (o_proj.num_out,) or (
+                not post.is_contiguous()):
+            raise ValueError(f"post norms must be contiguous fp32 [{o_proj.num_out}]")
+    post_o, post_mlp = (None, None) if post_norms is None else (
+        post_norms[0].data_ptr(), post_norms[1].data_ptr())
     out = torch.empty(rows, down.num_out, dtype=torch.float32)
     status = lib.mlp_block(
         attn.data_ptr(), attn.stride(0), hidden.data_ptr(), hidden.stride(0), rows,
         ctypes.byref(o_proj.struct), norm.data_ptr(), eps, ctypes.byref(gate_up.struct),
-        ctypes.byref(down.struct), out.data_ptr(), out.stride(0),
+        ctypes.byref(down.struct), out.data_ptr(), out.stride(0), post_o, post_mlp, int(gelu),
     )
     if status == 3:
         raise MemoryError("int8 kernel: no memory for the MLP block's intermediates")

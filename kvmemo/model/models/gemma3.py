@@ -40,6 +40,8 @@ class Gemma3DecoderLayer(DecoderLayer):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
+        if self.fused_step is not None:  # native weights (llama_fast.GemmaFusedLayerStep)
+            return self.fused_step(layer_idx, hidden, cos, sin, attention)
         out = self.attention_block(layer_idx, self.normed_input(hidden), cos, sin, attention)
         return self.finish_block(hidden, out)
 

@@ -1,10 +1,11 @@
 """The Llama family's fast paths, bound from outside the model class: a dense model's forward with
 its small ops in C (DenseForward), and native weights' layer step in two int8-kernel calls
-(FusedLayerStep). `prepare(model)` binds the model's kernels, then whichever path fits.
+(FusedLayerStep; GemmaFusedLayerStep for Gemma 3's block). `prepare(model)` binds the model's
+kernels, then whichever path fits.
 
 Invariant: each computes what LlamaForCausalLM.forward computes through DecoderLayer.forward,
 with the same Linears and attention, only in another order of float operations; a model no path
-fits (Gemma's per-head norms, CUDA, fp16, no C compiler) runs DecoderLayer.forward. llama.py never
+fits (a dense Gemma, CUDA, fp16, no C compiler) runs DecoderLayer.forward. llama.py never
 imports this module: the model holds whatever is bound here behind the FastForward and
 FastLayerStep protocols of layers/basic.py.
 
@@ -37,9 +38,10 @@ import torch
 from kvmemo.model.kernels import layer_ops
 from kvmemo.model.kernels.layer_ops import DTYPE_CODES, MAX_COLS, add_rmsnorm, rope_, silu_mul
 from kvmemo.model.kernels.quant_int8 import Fused, Int8Weights, mlp_block
-from kvmemo.model.layers.basic import AttentionFn, RMSNorm
+from kvmemo.model.layers.basic import AttentionFn, GemmaRMSNorm, RMSNorm
 from kvmemo.model.layers.linear import KernelChoice
 from kvmemo.model.layers.native_linear import NativeLinear
+from kvmemo.model.models.gemma3 import Gemma3DecoderLayer
 from kvmemo.model.models.llama import LlamaForCausalLM
 from kvmemo.model.models.llama_layer import DecoderLayer
 from kvmemo.model.models.llava import LlavaForConditionalGeneration
@@ -61,7 +63,8 @@ def bind_fast_paths(model: LlamaForCausalLM) -> None:
     else a FusedLayerStep on each layer it fits (native weights)."""
     layers = cast("list[DecoderLayer]", list(model.layers))
     for layer in layers:
-        layer.fused_step = FusedLayerStep(layer) if FusedLayerStep.fits(layer) else None
+        step = GemmaFusedLayerStep if isinstance(layer, Gemma3DecoderLayer) else FusedLayerStep
+        layer.fused_step = step(layer) if step.fits(layer) else None
     model.dense_forward = DenseForward(model) if DenseForward.fits(model) else None
 
 
@@ -154,19 +157,12 @@ class FusedLayerStep:
 
     @staticmethod
     def fits(layer: DecoderLayer) -> bool:
-        mlp = layer.mlp
-        linears = (getattr(layer, "qkv", None), getattr(layer, "o", None),
-                   getattr(mlp, "gate_up", None), getattr(mlp, "down", None))
         return (
             type(layer) is DecoderLayer  # not a subclass with its own norms (Gemma)
-            and type(layer.input_layernorm) is RMSNorm
-            and type(layer.post_attention_layernorm) is RMSNorm
-            and layer.input_layernorm.weight.dtype == torch.float32
-            and layer.post_attention_layernorm.weight.dtype == torch.float32
-            and mlp.activation == "silu"
-            and all(_single_call(lin) is not None and lin.bias is None  # type: ignore[union-attr]
-                    for lin in linears)
-            and len(_single_call(mlp.gate_up).weights) == 2  # type: ignore[union-attr]
+            and all(type(norm) is RMSNorm and norm.weight.dtype == torch.float32
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+            and layer.mlp.activation == "silu"
+            and _projections_fit(layer)
         )
 
     def __call__(self, layer_idx: int, hidden: torch.Tensor, cos: torch.Tensor,
@@ -175,14 +171,78 @@ class FusedLayerStep:
         half = self.head_dim // 2
         rope = (cos.reshape(tokens, half), sin.reshape(tokens, half),
                 self.q_size + self.kv_size, self.head_dim)
-        qkv = self.qkv(hidden, fused=Fused(norm=self.input_norm, eps=self.input_eps, rope=rope))
+        qkv = self.qkv(hidden, fused=self.qkv_options(rope))
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
             tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = attention(layer_idx, q, k, v)  # [T, H, D]
-        return mlp_block(out.reshape(tokens, self.q_size), hidden, self.o, self.mlp_norm,
-                         self.mlp_eps, self.gate_up, self.down)
+        return self.after_attention(out.reshape(tokens, self.q_size), hidden)
+
+    def qkv_options(self, rope: tuple[torch.Tensor, torch.Tensor, int, int]) -> Fused:
+        """What the q/k/v call folds in: the input norm before, RoPE after."""
+        return Fused(norm=self.input_norm, eps=self.input_eps, rope=rope)
+
+    def after_attention(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """o_proj, the residual adds and the MLP, in one call."""
+        return mlp_block(attn, hidden, self.o, self.mlp_norm, self.mlp_eps, self.gate_up,
+                         self.down)
+
+
+class GemmaFusedLayerStep(FusedLayerStep):
+    """norm -> q/k/v (+ per-head q/k norms, RoPE) | attention | o_proj (+ post norm, residual) |
+    norm -> gate/up | gelu * up -> down (+ post norm, residual), for one Gemma3DecoderLayer:
+    FusedLayerStep's two calls with Gemma's four norms, per-head norms and tanh-GELU folded in
+    (quant_int8.Fused). Each (1 + w) norm weight is formed once here, in fp32, as HF forms it
+    per call. Why: Gemma's extra norms and per-head norms are a dozen more small tensor ops per
+    layer, which cost a one-token step on its 18 layers more than its layer products."""
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        super().__init__(layer)
+        gemma = cast(Gemma3DecoderLayer, layer)
+        norms = [gemma.input_layernorm, gemma.q_norm, gemma.k_norm,
+                 gemma.post_attention_layernorm, gemma.pre_feedforward_layernorm,
+                 gemma.post_feedforward_layernorm]
+        weights = [(1.0 + _weight(norm).float()).contiguous() for norm in norms]
+        (self.input_norm, self.q_norm, self.k_norm, self.post_o_norm, self.mlp_norm,
+         self.post_mlp_norm) = weights
+        epsilons = {float(cast(GemmaRMSNorm, norm).eps) for norm in norms}
+        if len(epsilons) != 1 or self.q_norm.numel() != self.head_dim:
+            raise ValueError("GemmaFusedLayerStep: one eps for every norm and head-sized q/k norms")
+        self.eps = self.input_eps = self.mlp_eps = epsilons.pop()
+
+    @staticmethod
+    def fits(layer: DecoderLayer) -> bool:
+        norms = [getattr(layer, name, None) for name in (
+            "input_layernorm", "q_norm", "k_norm", "post_attention_layernorm",
+            "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        return (
+            type(layer) is Gemma3DecoderLayer
+            and all(type(norm) is GemmaRMSNorm and norm.weight.dtype == torch.float32
+                    for norm in norms)
+            and layer.mlp.activation == "gelu_pytorch_tanh"
+            and _projections_fit(layer)
+        )
+
+    def qkv_options(self, rope: tuple[torch.Tensor, torch.Tensor, int, int]) -> Fused:
+        return Fused(norm=self.input_norm, eps=self.eps, rope=rope,
+                     head_norms=(self.q_norm, self.k_norm, self.q_size, self.kv_size))
+
+    def after_attention(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return mlp_block(attn, hidden, self.o, self.mlp_norm, self.eps, self.gate_up, self.down,
+                         post_norms=(self.post_o_norm, self.post_mlp_norm), gelu=True)
+
+
+def _projections_fit(layer: DecoderLayer) -> bool:
+    """Each projection is one int8-kernel call without a bias; gate/up exactly two weights."""
+    mlp = layer.mlp
+    linears = (getattr(layer, "qkv", None), getattr(layer, "o", None),
+               getattr(mlp, "gate_up", None), getattr(mlp, "down", None))
+    return (
+        all(_single_call(lin) is not None and lin.bias is None  # type: ignore[union-attr]
+            for lin in linears)
+        and len(_single_call(mlp.gate_up).weights) == 2  # type: ignore[union-attr]
+    )
 
 
 def _single_call(linear: object) -> Int8Weights | None:

@@ -51,6 +51,37 @@ def test_inconsistent_metadata_raises(changes, message):
         build(**changes)
 
 
+def test_small_and_large_steps_map_the_same_slots_and_catch_the_same_ids():
+    """A step small enough builds its slots and checks in Python, a larger one with tensor ops:
+    the same slots (against the formula written out here) and the same error either way."""
+    from kvmemo.attention import metadata
+
+    gen = torch.Generator().manual_seed(0)
+    for num_seqs in (1, 3, 40):
+        computed = torch.randint(0, 100, (num_seqs,), generator=gen).tolist()
+        query_lens = torch.randint(1, 30, (num_seqs,), generator=gen).tolist()
+        tables = [torch.randint(0, 500, (-(-(c + q) // 16),), generator=gen).tolist()
+                  for c, q in zip(computed, query_lens)]
+        expected = [t[p // 16] * 16 + p % 16 for t, c, q in zip(tables, computed, query_lens)
+                    for p in range(c, c + q)]
+        for limit in (0, 10**6):  # every step large, every step small
+            original = metadata._SMALL_STEP
+            metadata._SMALL_STEP = limit
+            try:
+                md = AttentionMetadata.build(block_tables=tables, num_computed_tokens=computed,
+                                             query_lens=query_lens, block_size=16,
+                                             num_cache_blocks=500)
+                assert md.slot_mapping.tolist() == expected
+                bad = [t[:] for t in tables]
+                bad[-1][-1] = 500
+                with pytest.raises(ValueError, match=rf"sequence {num_seqs - 1} holds a block id"):
+                    AttentionMetadata.build(block_tables=bad, num_computed_tokens=computed,
+                                            query_lens=query_lens, block_size=16,
+                                            num_cache_blocks=500)
+            finally:
+                metadata._SMALL_STEP = original
+
+
 @pytest.mark.parametrize("backend_cls", [PagedAttentionBackend, ReferenceAttentionBackend])
 def test_backend_rejects_metadata_of_another_pool_or_batch(backend_cls):
     batch = make_batch(cached=[5, 9], new=[1, 3], group=3, block_size=8, seed=0)

@@ -534,7 +534,9 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     }
     /* A part's keys: whole pages, the item's pages dealt out evenly (the last part the rest). */
     const int64_t units = items * parts;
-#pragma omp parallel
+    /* One unit (a single sequence's single KV head, unsplit: Gemma 3's decode) runs here: a
+     * parallel region would only wake a thread to wait for it. */
+#pragma omp parallel if (units > 1)
     {
         if (slots && parts > 1) { /* every part must see the new key: write them all first */
 #pragma omp for schedule(static)

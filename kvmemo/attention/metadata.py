@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -115,7 +116,8 @@ class AttentionMetadata:
             _check_sequence(s, block_tables[s], num_computed_tokens[s], query_lens[s], block_size)
         seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens)]
         max_blocks = max((len(t) for t in block_tables), default=0)
-        padded = [[*t] + [0] * (max_blocks - len(t)) for t in block_tables]
+        padded = cast(  # _check_sequence rejected None entries
+            "list[list[int]]", [[*t] + [0] * (max_blocks - len(t)) for t in block_tables])
         query_start_loc = [0]
         for q in query_lens:
             query_start_loc.append(query_start_loc[-1] + q)

@@ -83,3 +83,34 @@ def test_the_split_over_threads_is_off() -> None:
     alone = PagedAttentionBackend(SCALE).forward(
         0, batch.q[:1], batch.new_k[:1], batch.new_v[:1], batch.cache, alone_md)
     assert torch.equal(alone, together[:1])
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_lone_sequence_split_by_query_heads_is_the_same_bits(monkeypatch, head_dim,
+                                                                window) -> None:
+    """One long sequence with one kv head decoding alone (Gemma 3's shape): the kernel deals
+    its four query heads to the threads (each reads the same keys); in a batch of four it does
+    not. A head's output is the same bits either way, and dense attention's values."""
+    from tests.attention import paged_testing
+
+    monkeypatch.setattr(paged_testing, "HEAD_DIM", head_dim)
+    batch = make_batch(cached=[600, 3, 9, 30], new=[1, 1, 1, 1], group=4, block_size=16,
+                       num_kv_heads=1)
+    scale = head_dim**-0.5
+    tables = [batch.metadata.block_tables[s].tolist() for s in range(4)]
+    together_md = AttentionMetadata.build(
+        block_tables=tables, num_computed_tokens=[600, 3, 9, 30], query_lens=[1] * 4,
+        block_size=16, num_cache_blocks=batch.cache.num_blocks, sliding_window=window)
+    together = PagedAttentionBackend(scale).forward(
+        0, batch.q, batch.new_k, batch.new_v, batch.cache, together_md)
+    alone_md = AttentionMetadata.build(
+        block_tables=tables[:1], num_computed_tokens=[600], query_lens=[1], block_size=16,
+        num_cache_blocks=batch.cache.num_blocks, sliding_window=window)
+    alone = PagedAttentionBackend(scale).forward(
+        0, batch.q[:1], batch.new_k[:1], batch.new_v[:1], batch.cache, alone_md)
+    assert torch.equal(alone, together[:1])
+    keys = slice(0 if window is None else 601 - window, 601)
+    k, v = batch.full_k[0][keys].float(), batch.full_v[0][keys].float()  # [n, 1, D]
+    weights = torch.softmax(torch.einsum("hd,nd->hn", batch.q[0].float(), k[:, 0]) * scale, -1)
+    torch.testing.assert_close(alone[0].float(), weights @ v[:, 0], rtol=1e-5, atol=1e-5)

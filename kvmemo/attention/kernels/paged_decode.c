@@ -509,6 +509,33 @@ static int64_t parts_per_item(int64_t items, const int64_t *kv_lens, int64_t B, 
     return parts < by_length ? parts : (by_length > 1 ? by_length : 1);
 }
 
+/* Query-head subgroups per item: where a step has fewer (sequence, kv head) items than threads
+ * and long keys (Gemma 3 decoding one sequence: one kv head, four query heads), each thread
+ * takes some of an item's query heads, reading the same keys. A head's arithmetic is the same
+ * in any subgroup (its own scores, softmax and accumulator, in the same order), so unlike a
+ * split of the keys this keeps a query's output independent of the batch. Short contexts keep
+ * one unit: waking a thread costs more than their keys. Even subgroups only. */
+enum { MIN_SPLIT_KEYS = 256 };
+
+static int head_split(int64_t items, int64_t parts, int G, const int64_t *kv_lens,
+                      const int64_t *kv_starts, int64_t B) {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    if (parts > 1 || items < 1 || items >= threads) return 1;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t keys = kv_lens[b] - (kv_starts ? kv_starts[b] : 0);
+        longest = keys > longest ? keys : longest;
+    }
+    if (longest < MIN_SPLIT_KEYS) return 1;
+    int split = 1;
+    while (items * split < threads && G % (2 * split) == 0) split *= 2;
+    return split;
+}
+
 /* The whole decode attention of one layer. q/k_new/v_new/out are fp32 or bf16 (io, one dtype
  * for all four); o_init/lse_init (fp32, optional) are attention over keys before first_block. */
 static int paged_decode(const void *q, int64_t q_stride, const void *k_new, const void *v_new,
@@ -533,12 +560,13 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
         if (!part_o || !part_lse) { free(part_o); free(part_lse); return 3; }
     }
     /* A part's keys: whole pages, the item's pages dealt out evenly (the last part the rest). */
-    const int64_t units = items * parts;
+    const int subgroups = head_split(items, parts, G, kv_lens, kv_starts, B), Gs = G / subgroups;
+    const int64_t units = items * parts * subgroups;
     /* One unit (a single sequence's single KV head, unsplit: Gemma 3's decode) runs here: a
      * parallel region would only wake a thread to wait for it. */
 #pragma omp parallel if (units > 1)
     {
-        if (slots && parts > 1) { /* every part must see the new key: write them all first */
+        if (slots && parts * subgroups > 1) { /* every unit must see the new key: write first */
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; item++) {
                 int64_t b = item / Hkv, h = item % Hkv;
@@ -548,16 +576,18 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
         }
 #pragma omp for schedule(dynamic)
         for (int64_t unit = 0; unit < units; unit++) {
-            int64_t item = unit / parts, part = unit % parts;
+            int64_t item = unit / (parts * subgroups), part = unit / subgroups % parts;
             int64_t b = item / Hkv, h = item % Hkv;
             int64_t head_offset = h * num_blocks * bs;
-            if (slots && parts == 1) /* this (sequence, head) alone reads the slot: no race */
+            if (slots && parts * subgroups == 1) /* this (sequence, head) alone reads the slot */
                 write_slot(k_new, v_new, b * kv_stride + h * D, io, (void *)k_pages,
                            (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
+            /* The unit's query heads: Gs of the group from hq0 (all G where not split). */
+            const int64_t hq0 = h * G + unit % subgroups * Gs;
             /* io's codes are KV_F32 / KV_BF16, so to_f32 reads q too */
             float qs[MAX_GROUP * MAX_D], o32[MAX_GROUP * MAX_D];
-            const float *qb = to_f32(q, b * q_stride + h * G * D, G * D, io, qs);
-            for (int64_t i = 0; i < G * D; i++) qs[i] = qb[i] * (scale * LOG2E);
+            const float *qb = to_f32(q, b * q_stride + hq0 * D, Gs * D, io, qs);
+            for (int64_t i = 0; i < Gs * D; i++) qs[i] = qb[i] * (scale * LOG2E);
             const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
             int64_t kv_len = kv_lens[b], kv_start = kv_starts ? kv_starts[b] : 0;
             float *ob, *lb;
@@ -575,23 +605,23 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                     continue;
                 }
             } else {
-                ob = io ? o32 : (float *)out + (b * Hq + h * G) * D;
-                lb = lse ? lse + b * Hq + h * G : 0;
-                oi = o_init ? o_init + (b * Hq + h * G) * D : 0;
-                li = o_init ? lse_init + b * Hq + h * G : 0;
+                ob = io ? o32 : (float *)out + (b * Hq + hq0) * D;
+                lb = lse ? lse + b * Hq + hq0 : 0;
+                oi = o_init ? o_init + (b * Hq + hq0) * D : 0;
+                li = o_init ? lse_init + b * Hq + hq0 : 0;
             }
             /* bf16 queries on bf16 pages: scores by bf16 dot products (D 64 or 128). */
             const uint16_t *q16 = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128)
-                ? (const uint16_t *)q + b * q_stride + h * G * D : NULL;
+                ? (const uint16_t *)q + b * q_stride + hq0 * D : NULL;
             const float qscale = scale * LOG2E;
             /* Constant D lets the compiler unroll the dot products and V updates fully. */
             if (D == 64)
-                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, G, 64, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, 64, ob, lb, 1, oi, li);
             else if (D == 128)
-                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, G, 128, ob, lb, 1, oi, li);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, 128, ob, lb, 1, oi, li);
             else
-                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, G, D, ob, lb, 1, oi, li);
-            if (io && parts == 1) store_io(o32, io, G * D, (char *)out + (b * Hq + h * G) * D * io_bytes);
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, D, ob, lb, 1, oi, li);
+            if (io && parts == 1) store_io(o32, io, Gs * D, (char *)out + (b * Hq + hq0) * D * io_bytes);
         }
         if (parts > 1) {
             /* Merge each head's parts (and the starting state) by their log-sum-exps. */

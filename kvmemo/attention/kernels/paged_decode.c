@@ -102,7 +102,7 @@ enum { MAX_CHUNKS = 16 }; /* accumulator registers per head: D / VL */
 #define VEC_REGISTERS 16
 #endif
 #define HEADS_PER_PASS 4 /* vec_accumulate_group's most heads at once */
-#define VEC_CHUNKS(D) ((D) % VL == 0 && (D) / VL <= MAX_CHUNKS && ((D) == 64 || (D) == 128))
+#define VEC_CHUNKS(D) ((D) % VL == 0 && (D) / VL <= MAX_CHUNKS && ((D) == 64 || (D) == 128 || (D) == 256))
 
 static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -619,6 +619,8 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, 64, ob, lb, 1, oi, li);
             else if (D == 128)
                 attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, 128, ob, lb, 1, oi, li);
+            else if (D == 256)
+                attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, 256, ob, lb, 1, oi, li);
             else
                 attend_one(qs, q16, qscale, k_pages, v_pages, dtype, table, kv_start, kv_len, head_offset, bs, Gs, D, ob, lb, 1, oi, li);
             if (io && parts == 1) store_io(o32, io, Gs * D, (char *)out + (b * Hq + hq0) * D * io_bytes);

@@ -123,3 +123,23 @@ def test_stop_string_inclusion_special_tokens_and_allowed_ids(llm):
     assert set(out.token_ids) <= set(allowed)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate([prompt], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+
+
+def test_argmax_rows_is_torchs_argmax_on_ties_nan_and_inf() -> None:
+    import torch
+
+    from kvmemo.engine.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen)
+    logits[1, [7, 300, 999]] = 50.0  # a tie: the first
+    logits[2, 400] = float("nan")  # NaN counts as the maximum
+    logits[2, 500] = float("nan")
+    logits[3] = float("-inf")  # nothing allowed: index 0
+    logits[4, 10] = float("inf")
+    logits[4, 20] = float("inf")
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert got.tolist()[1:4] == [7, 400, 0]
+    sliced = logits[:, ::3]  # a strided view
+    assert argmax_rows(sliced).tolist() == torch.argmax(sliced, dim=-1).tolist()

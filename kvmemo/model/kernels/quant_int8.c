@@ -441,12 +441,12 @@ typedef struct {
     const float *post_norm; /* RMSNorm of each y row (the product) before the residual add */
 } q8_options;
 
-/* x * rsqrt(mean(x^2) + eps) * w over n values, in place. */
-static inline void rmsnorm_row(float *x, int64_t n, const float *w, float eps) {
+/* out = x * rsqrt(mean(x^2) + eps) * w over n values (out may be x). */
+static inline void rmsnorm_row(const float *x, int64_t n, const float *w, float eps, float *out) {
     float ss = 0.0f;
     for (int64_t k = 0; k < n; k++) ss += x[k] * x[k];
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t k = 0; k < n; k++) x[k] = x[k] * r * w[k];
+    for (int64_t k = 0; k < n; k++) out[k] = x[k] * r * w[k];
 }
 
 /* tanh-approximated GELU (torch's approximate="tanh", Gemma's gelu_pytorch_tanh), with tanh u
@@ -469,8 +469,7 @@ static void prepare_row(const float *x, int64_t K, const q8_options *o, float *o
             out[k] = g / (1.0f + exp_poly(-g)) * x[K + k];
         }
     } else if (o && o->norm) {
-        memcpy(out, x, sizeof(float) * (size_t)K);
-        rmsnorm_row(out, K, o->norm, o->eps);
+        rmsnorm_row(x, K, o->norm, o->eps, out);
     } else {
         memcpy(out, x, sizeof(float) * (size_t)K);
     }
@@ -482,9 +481,9 @@ static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_op
     if (!o) return;
     for (int64_t m = 0; o->q_norm && m < M; m++) {
         for (int64_t h = 0; h < o->q_cols; h += o->head_dim)
-            rmsnorm_row(y + m * ldy + h, o->head_dim, o->q_norm, o->eps);
+            rmsnorm_row(y + m * ldy + h, o->head_dim, o->q_norm, o->eps, y + m * ldy + h);
         for (int64_t h = o->q_cols; h < o->q_cols + o->k_cols; h += o->head_dim)
-            rmsnorm_row(y + m * ldy + h, o->head_dim, o->k_norm, o->eps);
+            rmsnorm_row(y + m * ldy + h, o->head_dim, o->k_norm, o->eps, y + m * ldy + h);
     }
     if (o->cos) {
         const int64_t half = o->head_dim / 2;
@@ -500,7 +499,8 @@ static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_op
             }
         }
     }
-    for (int64_t m = 0; o->post_norm && m < M; m++) rmsnorm_row(y + m * ldy, N, o->post_norm, o->eps);
+    for (int64_t m = 0; o->post_norm && m < M; m++)
+        rmsnorm_row(y + m * ldy, N, o->post_norm, o->eps, y + m * ldy);
     if (o->residual)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * ldy + n] += o->residual[m * o->ldr + n];

@@ -262,9 +262,7 @@ class Int8Weights:
         for name, norm, size in (("norm", fused.norm, self.num_cols),
                                  ("post_norm", fused.post_norm, self.num_out)):
             if norm is not None:
-                if norm.dtype != torch.float32 or norm.shape != (size,) or not norm.is_contiguous():
-                    raise ValueError(f"{name} must be contiguous fp32 [{size}]")
-                setattr(options, name, norm.data_ptr())
+                setattr(options, name, _vector(name, norm, size))
         if fused.residual is not None:
             residual = fused.residual
             if (residual.dtype != torch.float32 or residual.shape != (rows, self.num_out)
@@ -292,13 +290,17 @@ class Int8Weights:
                     q_cols + k_cols > self.num_out):
                 raise ValueError(f"head norms need rope's head_dim and whole heads within "
                                  f"{self.num_out} columns, got {q_cols} + {k_cols}")
-            for norm in (q_norm, k_norm):
-                if norm.dtype != torch.float32 or norm.shape != (head_dim,) or (
-                        not norm.is_contiguous()):
-                    raise ValueError(f"head norms must be contiguous fp32 [{head_dim}]")
-            options.q_norm, options.k_norm = q_norm.data_ptr(), k_norm.data_ptr()
+            options.q_norm = _vector("head norms", q_norm, head_dim)
+            options.k_norm = _vector("head norms", k_norm, head_dim)
             options.q_cols, options.k_cols = q_cols, k_cols
         return options
+
+
+def _vector(name: str, t: torch.Tensor, size: int) -> int:
+    """The address of a norm's weights, checked to be contiguous fp32 [size]."""
+    if t.dtype != torch.float32 or t.shape != (size,) or not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous fp32 [{size}]")
+    return t.data_ptr()
 
 
 def mlp_block(attn: torch.Tensor, hidden: torch.Tensor, o_proj: Int8Weights,
@@ -318,12 +320,8 @@ def mlp_block(attn: torch.Tensor, hidden: torch.Tensor, o_proj: Int8Weights,
         if t.dtype != torch.float32 or t.shape != (rows, cols) or t.stride(1) != 1:
             raise ValueError(f"expected fp32 [{rows}, {cols}] with unit column stride, got "
                              f"{t.dtype} {tuple(t.shape)}")
-    for post in post_norms or ():
-        if post.dtype != torch.float32 or post.shape != (o_proj.num_out,) or (
-                not post.is_contiguous()):
-            raise ValueError(f"post norms must be contiguous fp32 [{o_proj.num_out}]")
     post_o, post_mlp = (None, None) if post_norms is None else (
-        post_norms[0].data_ptr(), post_norms[1].data_ptr())
+        _vector("post norms", post, o_proj.num_out) for post in post_norms)
     out = torch.empty(rows, down.num_out, dtype=torch.float32)
     status = lib.mlp_block(
         attn.data_ptr(), attn.stride(0), hidden.data_ptr(), hidden.stride(0), rows,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvmemo.model.config import SLIDING_ATTENTION, ModelArchConfig
-from kvmemo.model.layers.basic import AttentionFn, GemmaRMSNorm, RotaryEmbedding
+from kvmemo.model.layers.basic import GemmaRMSNorm, RotaryEmbedding
 from kvmemo.model.models.llama import LlamaForCausalLM
 from kvmemo.model.models.llama_layer import DecoderLayer
 
@@ -31,19 +31,6 @@ class Gemma3DecoderLayer(DecoderLayer):
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
-
-    def forward(
-        self,
-        layer_idx: int,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention: AttentionFn,
-    ) -> torch.Tensor:
-        if self.fused_step is not None:  # native weights (llama_fast.GemmaFusedLayerStep)
-            return self.fused_step(layer_idx, hidden, cos, sin, attention)
-        out = self.attention_block(layer_idx, self.normed_input(hidden), cos, sin, attention)
-        return self.finish_block(hidden, out)
 
     def finish_block(self, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.post_attention_layernorm(attention_out)  # fp32 stream

@@ -68,6 +68,9 @@ class EngineConfig:
     enable_partial_reuse: bool = True  # copy the KV of a partially filled matching block
     prefix_cache_hash: str = "sha256"  # or xxh3_128: faster, unsafe where tenants share a cache
     enable_kv_events: bool = False  # collect BlockStored / BlockRemoved / AllBlocksCleared
+    # Tokens of prompt prefixes one cache_salt may hold retained (Anthropic's cache_control
+    # ttl, OpenAI's prompt_cache_retention; kv/retention.py); None: a quarter of the KV pool
+    max_retained_tokens: int | None = None
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill beyond it)
     max_num_seqs: int = 64  # sequences in one step at most
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -117,6 +120,7 @@ class EngineConfig:
         _positive("num_blocks", self.num_blocks, allow_none=True)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_retained_tokens", self.max_retained_tokens, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _positive("num_threads", self.num_threads, allow_none=True)
         _one_of("kv_reuse", self.kv_reuse, KV_REUSE_MODES)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvmemo.kv.mm_items import MultiModalItem
+from kvmemo.kv.retention import Retention
 from kvmemo.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class Request:
     # opaque here, so this module and kv/ stay free of torch.
     mm_data: list[Any] = field(default_factory=list)
     cache_salt: str | None = None
+    # Prompt prefixes to keep cached for a while after the request ends (kv/retention.py)
+    retention: tuple[Retention, ...] = ()
     prompt_text: str | None = None  # the prompt as text, when it was given as text
     eos_token_ids: frozenset[int] = frozenset()
 

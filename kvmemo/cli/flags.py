@@ -86,6 +86,12 @@ def add_engine_flags(
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     g.add_argument(
+        "--max-retained-tokens", type=int, default=None, metavar="N",
+        help="prompt-prefix tokens one cache_salt may keep retained (Anthropic cache_control "
+        "ttl, OpenAI prompt_cache_retention); a request past it gets a 400 (default: a quarter "
+        "of the KV pool)",
+    )
+    g.add_argument(
         "--chat-template", default=None, metavar="TEMPLATE",
         help="a Jinja chat template replacing the model's (a file path or the template text)",
     )
@@ -214,6 +220,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_partial_reuse=not args.no_partial_reuse,
+        max_retained_tokens=args.max_retained_tokens,
         # One --kv-store stays a string; several are tiers, in the order given.
         kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,
         chat_template=text_or_file(args.chat_template),

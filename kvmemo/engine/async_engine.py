@@ -22,6 +22,7 @@ from kvmemo.engine.request_stream import RequestStream, StreamItem
 from kvmemo.engine.stats import EngineStats, KVInfo
 from kvmemo.intake.prompt_input import PromptInput
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.kv.retention import Retention
 from kvmemo.outputs import RequestOutput, RequestOutputKind
 from kvmemo.sampling import SamplingParams
 
@@ -44,6 +45,7 @@ class _Add:
     inputs: PromptInput
     params: SamplingParams
     cache_salt: str | None
+    retention: tuple[Retention, ...]
     fill_context: bool  # max_tokens = whatever context the prompt leaves
     echo: bool  # the stream needs the prompt as text
     stream: RequestStream
@@ -121,6 +123,7 @@ class AsyncEngine:
         inputs: PromptInput,
         *,
         cache_salt: str | None = None,
+        retention: tuple[Retention, ...] = (),
         request_id: str | None = None,
         echo: bool = False,
         fill_context: bool = False,
@@ -129,7 +132,8 @@ class AsyncEngine:
 
         inputs: the prompt, chat or segments and the options that shape its tokens (the
         engine thread hands it to InputProcessor.process). Raises ValueError (bad prompt, too
-        long, bad cache_salt), QueueFullError or EngineDeadError. echo: the stream's
+        long, bad cache_salt, retention past its quota), QueueFullError or EngineDeadError.
+        retention: prompt prefixes kept cached after it ends (kv/retention.py). echo: the stream's
         prompt_text holds the prompt as text (decoded, for a token-id prompt). fill_context:
         max_tokens is whatever context the prompt leaves.
         """
@@ -140,7 +144,8 @@ class AsyncEngine:
         stream = RequestStream(self._abort, request_id, params.n, loop)
         done = loop.create_future()
         self._submit(
-            _Add(request_id, inputs, params, cache_salt, fill_context, echo, stream, done)
+            _Add(request_id, inputs, params, cache_salt, tuple(retention), fill_context, echo,
+                 stream, done)
         )
         try:
             await done
@@ -316,6 +321,7 @@ class AsyncEngine:
         self.engine.add_requests(
             [(sequence_id, prompt, sample) for sequence_id, sample in samples],
             cache_salt=command.cache_salt,
+            retention=command.retention,
         )
         for j, (sequence_id, _) in enumerate(samples):
             self._sequences[sequence_id] = _Sequence(

@@ -119,6 +119,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         # The KV store saves what BlockStored events announce, so it needs them too.
         enable_events=config.enable_kv_events or config.kv_store is not None,
     )
+    if config.max_retained_tokens is not None:
+        kv_manager.max_retained_blocks = max(1, config.max_retained_tokens // layout.block_size)
     kv_connector = build_kv_connector(config, layout, loaded.path, kv_cache)
     scheduler = Scheduler(
         SchedulerLimits(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),

@@ -24,6 +24,7 @@ from kvmemo.errors import InputError
 from kvmemo.intake.processor import ProcessedPrompt
 from kvmemo.kv.events import KVEvent
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.kv.retention import Retention
 from kvmemo.outputs import RequestOutput
 from kvmemo.request import Request, RequestStatus
 from kvmemo.sampling import SamplingParams
@@ -69,8 +70,13 @@ class Engine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        retention: tuple[Retention, ...] = (),
     ) -> None:
-        """Validate and queue one sequence (params.n must be 1: see add_requests)."""
+        """Validate and queue one sequence (params.n must be 1: see add_requests).
+
+        retention: prompt prefixes kept cached after the request ends (kv/retention.py);
+        InputError (param "retention") if they would take the cache_salt past its quota.
+        Blended requests ignore it."""
         if params.n != 1:
             raise ValueError("add_request runs one sequence; add params.per_sample() instead")
         vocab = self.processor.vocab_size
@@ -92,6 +98,8 @@ class Engine:
         else:
             request = self._new_request(request_id, prompt, params, cache_salt)
             request.constraint = constraint
+            request.retention = tuple(retention)
+            self.kv_manager.check_retention(request)
             self.scheduler.add_request(request)
         self.outputs.add(request, blended=blended)
 
@@ -150,6 +158,7 @@ class Engine:
         batch: Sequence[tuple[str, ProcessedPrompt, SamplingParams | BeamSearchParams]],
         *,
         cache_salt: str | None = None,
+        retention: tuple[Retention, ...] = (),
     ) -> None:
         """Queue every (request_id, prompt, params) of `batch` (one-sample SamplingParams, or
         BeamSearchParams for a beam search), or none of them: if one is refused (its ValueError
@@ -160,7 +169,8 @@ class Engine:
                 if isinstance(params, BeamSearchParams):
                     self.add_beam_request(request_id, prompt, params, cache_salt=cache_salt)
                 else:
-                    self.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                    self.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                     retention=retention)
                 added.append(request_id)
         except Exception:
             for request_id in added:

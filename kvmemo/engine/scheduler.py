@@ -437,6 +437,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+            self.kv.retain(request)  # its Retention ranges, if any, before its blocks go free
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

@@ -46,6 +46,10 @@ class EngineStats:
     prefix_cache_hit_rate: float
     prefix_cache_evicted_blocks: int
     prefix_cache_stored_blocks: int
+    # Retention (kv/retention.py): blocks retained now (every tenant; the full-attention group),
+    # and retained blocks evicted before their time because nothing else was free (cumulative)
+    retained_blocks: int = 0
+    retained_evicted_blocks: int = 0
     # The persistent KV store (all zero and no tiers without --kv-store).
     store_hit_tokens: int = 0
     store_miss_tokens: int = 0
@@ -104,7 +108,7 @@ def collect_stats(
     encoder_cache: EncoderCache | None,
 ) -> EngineStats:
     """An EngineStats snapshot from the engine's parts (the engine thread, between steps)."""
-    prefix = kv_manager.stats
+    prefix, pool = kv_manager.stats, kv_manager.block_pool
     extra: dict[str, Any] = {}
     if connector is not None:
         s = connector.stats
@@ -139,6 +143,8 @@ def collect_stats(
         prefix_cache_hit_rate=prefix.hit_rate,
         prefix_cache_evicted_blocks=prefix.num_evicted_blocks,
         prefix_cache_stored_blocks=prefix.num_stored_blocks,
+        retained_blocks=pool.num_retained_blocks,
+        retained_evicted_blocks=pool.num_retained_evicted,
         **extra,
     )
 

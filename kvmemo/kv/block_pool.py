@@ -1,6 +1,8 @@
 """BlockPool: every KV block's ref count, hash and free-queue position, plus the hash -> block map.
 
-Invariant: each block is free (ref_count 0, in the LRU queue) xor referenced; a (group, hash)
+Invariant: each block is free (ref_count 0, in a free queue) xor referenced; a free block sits in
+the retained queue iff it has an unexpired retention (retention.py), else in the LRU queue; a
+(group, hash)
 maps to at most one block and only blocks carrying that hash in that group are mapped ("stored
 once"); the parent index holds exactly the mapped blocks, each under its (group, parent hash).
 Groups are the layout's attention-type groups sharing one pool (a hybrid model); a plain model
@@ -9,12 +11,13 @@ has only group 0. Events speak for group 0 only: its blocks are what a prefix hi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmemo.kv.free_queue import FreeBlockQueue, FreeQueueNode
 from kvmemo.kv.hashing import BlockHash, ExtraKeys
+from kvmemo.kv.retention import RetentionLedger
 
 
 @dataclass(slots=True, eq=False)
@@ -28,6 +31,8 @@ class Block(FreeQueueNode):
     token_ids: tuple[int, ...] | None = None  # committed: the tokens, to verify hits
     extra_keys: ExtraKeys | None = None  # committed: the extra keys, to verify hits
     group: int = 0  # committed: the layer group whose KV the block holds (the map key's part)
+    retained_until: float = 0.0  # a hashed block's retention expiry (the ledger's clock); 0: none
+    retained_by: str | None = None  # the retention's owner (a cache_salt), while retained
 
     def set_committed(
         self,
@@ -54,10 +59,18 @@ class BlockPool:
     """Owns all blocks, the LRU free queue, the hash -> block map, the parent index and events.
 
     All num_blocks blocks are usable (no reserved null block). The pool knows nothing about
-    requests: the manager decides which blocks to touch, commit and free, and in what order.
+    requests: the manager decides which blocks to touch, commit, retain and free, and in what
+    order. Eviction takes the LRU queue's head, and a retained block only when that queue is
+    empty.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_events: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        enable_events: bool = False,
+        clock: Callable[[], float] | None = None,
+    ):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
@@ -65,6 +78,11 @@ class BlockPool:
         self.enable_events = enable_events
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self._free_queue: FreeBlockQueue[Block] = FreeBlockQueue(self.blocks)
+        # Free blocks under an unexpired retention, least recently freed first: evicted only
+        # when the LRU queue is empty.
+        self._retained_free: FreeBlockQueue[Block] = FreeBlockQueue()
+        self.retention = RetentionLedger(clock) if clock else RetentionLedger()
+        self.num_retained_evicted = 0  # cumulative: retained blocks evicted before their expiry
         self._cached: dict[tuple[int, BlockHash], Block] = {}  # (group, hash) -> block
         # (group, parent hash) -> {block_id: block} of the mapped blocks chained from it, in
         # commit order: the candidates for partial reuse of a committed full block.
@@ -81,7 +99,22 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_queue)
+        return len(self._free_queue) + len(self._retained_free)
+
+    @property
+    def num_retained_free_blocks(self) -> int:
+        """Free blocks under retention (evicted only after every other free block)."""
+        return len(self._retained_free)
+
+    def _queue_of(self, block: Block) -> FreeBlockQueue[Block]:
+        return self._retained_free if block.retained_until else self._free_queue
+
+    def _pop_free(self) -> Block:
+        if len(self._free_queue):
+            return self._free_queue.popleft()
+        block = self._retained_free.popleft()
+        self.num_retained_evicted += block.group == 0
+        return block
 
     @property
     def usage(self) -> float:
@@ -90,7 +123,8 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free block ids, next to evict first (for tests and debugging; O(num_free))."""
-        return [block.block_id for block in self._free_queue]
+        return [block.block_id for queue in (self._free_queue, self._retained_free)
+                for block in queue]
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pops `num_blocks` blocks from the LRU head, each with ref_count 1.
@@ -103,7 +137,8 @@ class BlockPool:
             raise ValueError(
                 f"num_blocks must be <= num_free_blocks ({self.num_free_blocks}), got {num_blocks}"
             )
-        blocks = [self._free_queue.popleft() for _ in range(num_blocks)]
+        self.expire_retention()
+        blocks = [self._pop_free() for _ in range(num_blocks)]
         removed: list[BlockHash] = []
         for block in blocks:
             assert block.ref_count == 0, f"free block {block.block_id} is referenced"
@@ -127,6 +162,7 @@ class BlockPool:
         if not siblings:
             del self._children[parent_key]
         self.num_evicted_blocks += block.group == 0  # counters, like events, speak for group 0
+        self._end_retention(block)
         block.reset_hash()
 
     def take_free_block(self, block: Block) -> None:
@@ -137,7 +173,7 @@ class BlockPool:
         can see the slots the caller is about to rewrite.
         """
         assert block.ref_count == 0, f"block {block.block_id} is not free"
-        self._free_queue.remove(block)
+        self._queue_of(block).remove(block)
         block.ref_count = 1
         self.generations[block.block_id] += 1  # its slots past the kept ones are rewritten
         if block.block_hash is not None:
@@ -150,7 +186,7 @@ class BlockPool:
         """Takes hit blocks: ref_count += 1; a free one leaves the free queue (not evictable)."""
         for block in blocks:
             if block.ref_count == 0:
-                self._free_queue.remove(block)
+                self._queue_of(block).remove(block)
             block.ref_count += 1
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[Block]) -> None:
@@ -163,7 +199,7 @@ class BlockPool:
             assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free_queue.append(block)
+                self._queue_of(block).append(block)
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
         """The block of `group` stored under `block_hash`, or None. Does not touch it."""
@@ -229,12 +265,99 @@ class BlockPool:
         if num_used > 0:
             return False, f"{num_used} blocks are still held by running requests"
         for block in self._cached.values():
+            if block.retained_until:
+                self._retained_free.remove(block)
+                self._free_queue.append(block)
+            block.retained_until, block.retained_by = 0.0, None
             block.reset_hash()
+        self.retention.clear()
         self._cached.clear()
         self._children.clear()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True, ""
+
+    # ---- retention (retention.py) ------------------------------------------------------------
+
+    def retain(
+        self,
+        block_hashes: Sequence[BlockHash],
+        group: int,
+        until: float,
+        owner: str,
+        max_owner_blocks: int,
+    ) -> int:
+        """Retains the cached blocks of `group` under `block_hashes` (a chain's prefix, in order)
+        until `until` on the ledger's clock, or later if already retained longer.
+
+        Group-0 blocks count against `owner`'s quota: the chain stops at the first block that
+        would take the owner past `max_owner_blocks`. A block of another group is retained only
+        where the group-0 block of its hash is retained (its quota pays for both). Missing
+        (evicted or never cached) blocks are skipped. Returns how many blocks are retained for
+        the owner by this call (new or refreshed).
+        """
+        self.expire_retention()
+        counts, count = self.retention.owner_blocks, 0
+        for block_hash in block_hashes:
+            block = self._cached.get((group, block_hash))
+            if block is None:
+                continue
+            if not block.retained_until:
+                if group == 0:
+                    if counts[owner] >= max_owner_blocks:
+                        break
+                    counts[owner] += 1
+                else:
+                    lead = self._cached.get((0, block_hash))
+                    if lead is None or not lead.retained_until or lead.retained_by != owner:
+                        continue
+                if block.ref_count == 0:
+                    self._free_queue.remove(block)
+                    self._retained_free.append(block)
+                block.retained_by = owner
+                self.retention.push(until, block.block_id)
+            elif block.retained_by != owner:
+                continue  # another owner's retention pays for it
+            block.retained_until = max(block.retained_until, until)
+            count += 1
+        return count
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Group-0 blocks retained now, every owner's."""
+        self.expire_retention()
+        return sum(self.retention.owner_blocks.values())
+
+    def retained_blocks(self, owner: str) -> int:
+        """Group-0 blocks retained for `owner` now."""
+        self.expire_retention()
+        return self.retention.owner_blocks[owner]
+
+    def is_retained(self, block_hash: BlockHash, owner: str) -> bool:
+        """True if the group-0 block under `block_hash` is retained for `owner` now."""
+        block = self._cached.get((0, block_hash))
+        return block is not None and bool(block.retained_until) and block.retained_by == owner
+
+    def expire_retention(self) -> None:
+        """Ends every retention whose time has come: its block, if free, goes to the head of the
+        LRU queue (unused for the whole retention, it is the least recently used)."""
+        for expiry, block_id in self.retention.due(self.retention.clock()):
+            block = self.blocks[block_id]
+            if block.retained_until > expiry:  # refreshed since: its entry goes back in
+                self.retention.push(block.retained_until, block_id)
+            elif block.retained_until:
+                if block.ref_count == 0:
+                    self._retained_free.remove(block)
+                    self._free_queue.appendleft(block)
+                self._end_retention(block)
+
+    def _end_retention(self, block: Block) -> None:
+        """Forgets `block`'s retention (its heap entry goes stale); the caller moves it."""
+        if block.retained_until:
+            if block.group == 0:
+                assert block.retained_by is not None
+                self.retention.owner_blocks[block.retained_by] -= 1
+            block.retained_until, block.retained_by = 0.0, None
 
     def take_events(self) -> list[KVEvent]:
         """Drains the events collected since the last call (always empty unless enable_events)."""
@@ -244,7 +367,9 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Asserts the pool's invariants (module docstring); O(num_blocks)."""
         self._free_queue.check_links()
+        self._retained_free.check_links()
         num_free = 0
+        owners: dict[str, int] = {}
         for block in self.blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}"
             assert block.is_free == (block.ref_count == 0), (
@@ -258,6 +383,19 @@ class BlockPool:
                 assert block.token_ids is not None and block.parent_hash is not None
             else:
                 assert block.token_ids is None and block.parent_hash is None and block.group == 0
+            if block.retained_until:
+                assert block.block_hash is not None and block.retained_by is not None, (
+                    f"retained block {block.block_id} has no hash or owner"
+                )
+                if block.group == 0:
+                    owners[block.retained_by] = owners.get(block.retained_by, 0) + 1
+            else:
+                assert block.retained_by is None, f"block {block.block_id} has a stale owner"
+        assert all(b.retained_until for b in self._retained_free), "unretained block queued"
+        assert not any(b.retained_until for b in self._free_queue), "retained block in LRU queue"
+        assert owners == {o: n for o, n in self.retention.owner_blocks.items() if n}, (
+            "retained blocks per owner disagree with the ledger"
+        )
         assert num_free == self.num_free_blocks, "free count disagrees with the free queue"
         for (group, block_hash), block in self._cached.items():
             assert (block.group, block.block_hash) == (group, block_hash), (

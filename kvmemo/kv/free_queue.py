@@ -52,13 +52,22 @@ class FreeBlockQueue(Generic[NodeT]):
 
     def append(self, node: NodeT) -> None:
         """Adds `node` at the tail (most recently freed)."""
-        assert node.prev_free is None and node.next_free is None, "node is already queued"
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = node
-        node.prev_free = last
-        node.next_free = self._tail
-        self._tail.prev_free = node
+        self._link(node, last, self._tail)
+
+    def appendleft(self, node: NodeT) -> None:
+        """Adds `node` at the head (the next to evict)."""
+        first = self._head.next_free
+        assert first is not None
+        self._link(node, self._head, first)
+
+    def _link(self, node: NodeT, prev: FreeQueueNode, nxt: FreeQueueNode) -> None:
+        assert node.prev_free is None and node.next_free is None, "node is already queued"
+        prev.next_free = node
+        node.prev_free = prev
+        node.next_free = nxt
+        nxt.prev_free = node
         self._num_nodes += 1
 
     def remove(self, node: NodeT) -> None:

@@ -155,6 +155,27 @@ class HybridKVCacheManager:
         for group in reversed(self.groups):
             group.free(request)
 
+    def check_retention(self, request: Request) -> None:
+        self.groups[0].check_retention(request)
+
+    def retain(self, request: Request) -> None:
+        """Group 0 first: the other groups' blocks are retained only where its are."""
+        for group in self.groups:
+            group.retain(request)
+
+    @property
+    def max_retained_blocks(self) -> int:
+        return self.groups[0].max_retained_blocks
+
+    @max_retained_blocks.setter
+    def max_retained_blocks(self, value: int) -> None:
+        for group in self.groups:
+            group.max_retained_blocks = value
+
+    @property
+    def max_retained_tokens(self) -> int:
+        return self.groups[0].max_retained_tokens
+
     def fork(self, parent: Request, child: Request) -> None:
         for group in self.groups:
             group.fork(parent, child)

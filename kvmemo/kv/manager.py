@@ -23,13 +23,14 @@ from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.match import BlockCopy, BlockIds, PrefixCacheStats, PrefixMatch
 from kvmemo.kv.matcher import PrefixMatcher, RequestBlocks
 from kvmemo.kv.partial_index import PartialEntry, PartialIndex
+from kvmemo.kv.retained_prefixes import RetainedPrefixes
 from kvmemo.kv.tables import BlockTables
 
 if TYPE_CHECKING:
     from kvmemo.request import Request
 
 
-class KVCacheManager(PrefixMatcher, BlockTables):
+class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
     """Owns the block pool, every running request's block_table, the partial index and copies.
 
     Promises: hits are verified against stored tokens, parent hash and extra keys (a hash
@@ -68,6 +69,9 @@ class KVCacheManager(PrefixMatcher, BlockTables):
         self._copies: list[BlockCopy] = []
         self._counters = PrefixCacheStats()  # query/hit counters; pool counts evict/store
         self._taken = PrefixCacheStats()
+        # Group-0 blocks one cache_salt may hold under retention (retention.py); the builder
+        # sets the engine's figure.
+        self.max_retained_blocks = max(1, num_blocks // 4)
 
     @property
     def num_free_blocks(self) -> int:

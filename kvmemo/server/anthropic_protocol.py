@@ -26,6 +26,7 @@ from kvmemo.errors import InputError
 from kvmemo.server.protocol import ChatCompletionRequest
 
 TTLS = ("5m", "1h")  # the retention times Anthropic's cache_control allows
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 
 class CacheControl(BaseModel):
@@ -145,35 +146,43 @@ class MessagesRequest(CountTokensRequest):
 
 @dataclass(frozen=True)
 class CacheBreakpoints:
-    """The request's cache_control marks: how many, and the longest ttl asked for."""
+    """The request's cache_control marks: how many, the longest ttl asked for, and what each
+    caches: the request cut just after its marked block (None: the whole request), with its
+    ttl. Anthropic's prefix order is tools, system, messages; a chat template renders the tools
+    in the system turn, so a mark on a tool keeps the system prompt too."""
 
     count: int
     ttl: str | None
+    prefixes: tuple[tuple[CountTokensRequest | None, str], ...] = ()
 
 
 def breakpoints(body: CountTokensRequest) -> CacheBreakpoints:
     """Every cache_control mark of the request, its ttl checked (400 naming the field)."""
-    marks: list[tuple[str, CacheControl]] = []
-    if body.cache_control is not None:
-        marks.append(("cache_control", body.cache_control))
+    marks: list[tuple[str, CacheControl, CountTokensRequest | None]] = []
+    if body.cache_control is not None:  # automatic caching: the whole request
+        marks.append(("cache_control", body.cache_control, None))
     if isinstance(body.system, list):
-        marks += [(f"system[{i}]", b.cache_control) for i, b in enumerate(body.system)
-                  if b.cache_control]
+        marks += [(f"system[{i}]", b.cache_control,
+                   body.model_copy(update={"system": body.system[: i + 1], "messages": []}))
+                  for i, b in enumerate(body.system) if b.cache_control]
     for i, message in enumerate(body.messages):
         if isinstance(message.content, list):
-            marks += [(f"messages[{i}].content[{j}]", b.cache_control)
+            marks += [(f"messages[{i}].content[{j}]", b.cache_control, body.model_copy(update={
+                "messages": [*body.messages[:i],
+                             message.model_copy(update={"content": message.content[: j + 1]})]}))
                       for j, b in enumerate(message.content) if b.cache_control]
-    marks += [(f"tools[{i}]", t.cache_control) for i, t in enumerate(body.tools or [])
-              if t.cache_control]
-    for where, mark in marks:
+    marks += [(f"tools[{i}]", t.cache_control,
+               body.model_copy(update={"tools": (body.tools or [])[: i + 1], "messages": []}))
+              for i, t in enumerate(body.tools or []) if t.cache_control]
+    for where, mark, _ in marks:
         if mark.ttl not in TTLS:
             raise InputError(f"{where}.cache_control.ttl",
                              f"{where}.cache_control.ttl must be one of {list(TTLS)}, "
                              f"got {mark.ttl!r}")
     if len(marks) > 4:  # Anthropic's limit
         raise InputError("cache_control", f"at most 4 cache_control breakpoints, got {len(marks)}")
-    longest = max((m.ttl for _, m in marks), key=TTLS.index, default=None)
-    return CacheBreakpoints(len(marks), longest)
+    longest = max((m.ttl for _, m, _ in marks), key=TTLS.index, default=None)
+    return CacheBreakpoints(len(marks), longest, tuple((cut, m.ttl) for _, m, cut in marks))
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:

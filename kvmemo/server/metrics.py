@@ -97,6 +97,17 @@ class ServerMetrics:
             lambda: float(engine.stats.prefix_cache_hits_tokens),
         )
         gauge(
+            "kvmemo_retained_blocks",
+            "KV blocks retained now by cache_control / prompt_cache_retention (every tenant)",
+            lambda: float(engine.stats.retained_blocks),
+        )
+        gauge(
+            "kvmemo_retained_evicted_blocks",
+            "Retained KV blocks evicted before their time because no other block was free "
+            "(cumulative)",
+            lambda: float(engine.stats.retained_evicted_blocks),
+        )
+        gauge(
             "kvmemo_store_hit_tokens",
             "Prompt tokens loaded from the persistent KV store (0 without --kv-store)",
             lambda: float(engine.stats.store_hit_tokens),

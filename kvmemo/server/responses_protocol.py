@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmemo.errors import InputError
+from kvmemo.kv.retention import Retention
 from kvmemo.server.protocol import ChatCompletionRequest
 
 
@@ -44,11 +45,45 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: str | None = None  # "in_memory" (the default) or "24h"
+    prompt_cache_options: dict[str, Any] | None = None  # {"ttl": "30m" | "12h", "mode": ...}
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     stream_options: dict[str, Any] | None = None
+
+
+WHOLE_PROMPT = 1 << 40  # a Retention's num_tokens for every prompt token (clamped to them)
+RETENTION_SECONDS = {"24h": 86400.0}  # prompt_cache_retention; "in_memory" retains nothing
+TTL_SECONDS = {"30m": 1800.0, "12h": 43200.0}  # prompt_cache_options.ttl
+
+
+def retention(body: ResponsesRequest) -> tuple[Retention, ...]:
+    """The whole prompt retained for prompt_cache_retention "24h" and for prompt_cache_options'
+    ttl (its implicit breakpoint: the whole prompt; mode "explicit" with no breakpoint, which
+    kvmemo does not take on content, caches nothing extra). 400s name the field."""
+    ranges: list[Retention] = []
+    policy = body.prompt_cache_retention
+    if policy not in (None, "in_memory", *RETENTION_SECONDS):
+        raise InputError("prompt_cache_retention", "prompt_cache_retention must be "
+                         f"'in_memory' or '24h', got {policy!r}")
+    if policy in RETENTION_SECONDS:
+        ranges.append(Retention(WHOLE_PROMPT, RETENTION_SECONDS[policy]))
+    options = body.prompt_cache_options or {}
+    unknown = sorted(set(options) - {"ttl", "mode", "prewarm", "comparison_response_id"})
+    if unknown:
+        raise InputError("prompt_cache_options", "prompt_cache_options takes ttl, mode, prewarm "
+                         f"and comparison_response_id; got {unknown}")
+    mode, ttl = options.get("mode", "implicit"), options.get("ttl", "30m")
+    if mode not in ("implicit", "explicit"):
+        raise InputError("prompt_cache_options.mode", "prompt_cache_options.mode must be "
+                         f"'implicit' or 'explicit', got {mode!r}")
+    if ttl not in TTL_SECONDS:
+        raise InputError("prompt_cache_options.ttl", "prompt_cache_options.ttl must be "
+                         f"'30m' or '12h', got {ttl!r}")
+    if options and mode == "implicit":
+        ranges.append(Retention(WHOLE_PROMPT, TTL_SECONDS[ttl]))
+    return tuple(ranges)
 
 
 def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvmemo.engine import AsyncEngine, EngineDeadError
 from kvmemo.errors import InputError
 from kvmemo.intake.prompt_input import PromptInput
+from kvmemo.kv.retention import Retention
 from kvmemo.outputs import RequestOutputKind
 from kvmemo.sampling import SamplingParams
 from kvmemo.server.errors import APIError, error_body
@@ -155,8 +156,8 @@ class OpenAIServing:
             inputs, truncate_prompt_tokens=self.engine.max_model_len if truncate == -1 else truncate
         )
         stream = await self.engine.add_request(
-            params, inputs, cache_salt=body.cache_salt, request_id=uuid.uuid4().hex[:24],
-            echo=echo, fill_context=fill_context,
+            params, inputs, cache_salt=body.cache_salt, retention=self.retention_of(body),
+            request_id=uuid.uuid4().hex[:24], echo=echo, fill_context=fill_context,
         )
         job = Job(stream, params.n, top_logprobs, echo=echo, echo_prefix=echo_prefix,
                   tokens_as_ids=body.return_tokens_as_token_ids, name=body.request_id,
@@ -178,6 +179,13 @@ class OpenAIServing:
         if not finished:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(self.full_response(job), headers=headers)
+
+    def retention_of(
+        self, body: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[Retention, ...]:
+        """The prompt prefixes this request keeps cached after it ends (the agent routes'
+        cache hints: kv/retention.py); none on the OpenAI-compatible routes."""
+        return ()
 
     @staticmethod
     def prompt_logprobs_field(job: Job, first_chunk: bool = True) -> dict[str, Any]:

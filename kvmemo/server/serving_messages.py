@@ -5,6 +5,12 @@ through the chat route's whole path (intake, tools, the engine, tool-call parsin
 answer is Anthropic's: a `message` with text and tool_use content blocks, or its event stream
 (message_start, content_block_start/delta/stop, ping, message_delta, message_stop).
 
+Retention: each cache_control breakpoint keeps the prompt's prefix up to its block cached for its
+ttl after the request (kv/retention.py). The prefix's length in tokens is how far the request cut
+just after the marked block renders the same tokens as the whole request (a cut the template
+refuses keeps the whole prompt). A request whose breakpoints would take its cache_salt past
+--max-retained-tokens gets a 400 naming the limit.
+
 Invariant: usage adds up as Anthropic's does: input_tokens + cache_read_input_tokens +
 cache_creation_input_tokens = the prompt's tokens. cache_read_input_tokens are the prompt tokens
 whose KV came from the cache (any prefix, marked or not: kvmemo caches every full block);
@@ -24,15 +30,19 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvmemo.engine import EngineDeadError
+from kvmemo.kv.retention import Retention
 from kvmemo.server.anthropic_protocol import (
+    TTL_SECONDS,
+    CacheBreakpoints,
     CountTokensRequest,
     MessagesRequest,
     breakpoints,
     chat_request,
 )
 from kvmemo.server.job import Choice, Job
+from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvmemo.server.serving_chat import ServingChat
-from kvmemo.server.token_routes import chat_token_ids
+from kvmemo.server.token_routes import chat_token_ids, chat_token_ids_each
 
 
 class ServingMessages(ServingChat):
@@ -44,6 +54,7 @@ class ServingMessages(ServingChat):
         super().__init__(*args)
         # request id -> its cache_control breakpoint count, until its answer is built
         self._marks: dict[str, int] = {}
+        self._retention: dict[str, tuple[Retention, ...]] = {}  # request id -> until queued
 
     def _marks_of(self, job: Job) -> int:
         return self._marks.get(job.name or "", 0)
@@ -53,11 +64,37 @@ class ServingMessages(ServingChat):
         chat = chat_request(body)
         chat.request_id = "msg_" + uuid.uuid4().hex[:24]
         self._marks[chat.request_id] = marks.count
+        if marks.prefixes:
+            self._retention[chat.request_id] = await self._breakpoint_retention(chat, marks)
         try:
             return await self.create(chat, request)
         finally:
+            self._retention.pop(chat.request_id, None)
             if not body.stream:  # a stream's events still need it: dropped when it ends
                 self._marks.pop(chat.request_id, None)
+
+    async def _breakpoint_retention(
+        self, chat: ChatCompletionRequest, marks: CacheBreakpoints
+    ) -> tuple[Retention, ...]:
+        cuts: list[ChatCompletionRequest | None] = [chat]
+        for cut, _ in marks.prefixes:
+            try:
+                cuts.append(None if cut is None else chat_request(cut))
+            except ValueError:  # e.g. a tool_choice naming a tool past the cut
+                cuts.append(None)
+        whole, *parts = await chat_token_ids_each(self.engine, cuts)
+        if whole is None:
+            return ()  # the request itself does not render: create() reports why
+        ranges = []
+        for ids, (_, ttl) in zip(parts, marks.prefixes):
+            num_tokens = len(whole) if ids is None else _common_prefix(ids, whole)
+            ranges.append(Retention(num_tokens, TTL_SECONDS[ttl]))
+        return tuple(ranges)
+
+    def retention_of(
+        self, body: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[Retention, ...]:
+        return self._retention.pop(body.request_id or "", ())
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         breakpoints(body)
@@ -167,3 +204,12 @@ def from_block(event: Callable[..., str], index: int, block: dict[str, Any]) -> 
     return (event("content_block_start", index=index, content_block=start)
             + event("content_block_delta", index=index, delta=delta)
             + event("content_block_stop", index=index))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -11,7 +11,8 @@ Invariant: with store (the default) the response and its conversation (earlier t
 and this output, as chat messages) are kept (response_store.py), so a follow-up naming it as
 previous_response_id renders the same conversation again: its prompt starts with the tokens the
 last turn computed, which the prefix cache holds. A reply that may hold function calls streams
-its items when it has ended (the calls are parsed then).
+its items when it has ended (the calls are parsed then). prompt_cache_retention "24h" and
+prompt_cache_options.ttl keep the whole prompt cached for that long (kv/retention.py).
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvmemo.engine import EngineDeadError
+from kvmemo.kv.retention import Retention
 from kvmemo.server.errors import APIError
 from kvmemo.server.job import Job
+from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvmemo.server.response_store import ResponseStore
-from kvmemo.server.responses_protocol import ResponsesRequest, chat_request, input_messages
+from kvmemo.server.responses_protocol import (
+    ResponsesRequest,
+    chat_request,
+    input_messages,
+    retention,
+)
 from kvmemo.server.serving_chat import ServingChat
 
 
@@ -56,6 +64,7 @@ class ServingResponses(ServingChat):
             if stored is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             history = stored.conversation
+        retention(body)  # its 400s, before anything is queued
         chat = chat_request(body, history)
         chat.request_id = "resp_" + uuid.uuid4().hex[:24]
         self._pending[chat.request_id] = _Pending(body, history + input_messages(body.input))
@@ -64,6 +73,12 @@ class ServingResponses(ServingChat):
         finally:
             if not body.stream:  # a stream's events still need it: dropped when it ends
                 self._pending.pop(chat.request_id, None)
+
+    def retention_of(
+        self, body: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[Retention, ...]:
+        pending = self._pending.get(body.request_id or "")
+        return () if pending is None else retention(pending.body)
 
     def retrieve(self, response_id: str, cache_salt: str | None) -> dict[str, Any]:
         stored = self.store.get(response_id, cache_salt)

@@ -67,6 +67,26 @@ async def chat_token_ids(engine: AsyncEngine, body: ChatCompletionRequest) -> li
     return await engine.call(lambda e: render_chat(e, messages, options, tools))
 
 
+async def chat_token_ids_each(
+    engine: AsyncEngine, bodies: list[ChatCompletionRequest | None]
+) -> list[list[int] | None]:
+    """chat_token_ids of each body in one trip to the engine thread; None for a None body and
+    for one whose rendering fails (a cut conversation a template refuses)."""
+    jobs = [None if b is None else (engine_messages(b), chat_options(b), chat_tools(b))
+            for b in bodies]
+
+    def run(e: Engine) -> list[list[int] | None]:
+        out: list[list[int] | None] = []
+        for job in jobs:
+            try:
+                out.append(None if job is None else render_chat(e, *job))
+            except Exception:  # noqa: BLE001 -- any template error: this cut has no tokens
+                out.append(None)
+        return out
+
+    return await engine.call(run)
+
+
 def add_token_routes(
     app: FastAPI, engine: AsyncEngine, model_name: str, auth: list[Any]
 ) -> None:

@@ -27,7 +27,10 @@ def test_free_queue_is_an_o1_lru() -> None:
     queue.remove(nodes[1])
     queue.check_links()
     assert [n.block_id for n in queue] == [3, 2]
-    queue.popleft(), queue.popleft()
+    queue.appendleft(nodes[0])
+    assert [n.block_id for n in queue] == [0, 3, 2]
+    queue.check_links()
+    queue.popleft(), queue.popleft(), queue.popleft()
     with pytest.raises(IndexError):
         queue.popleft()
     queue.check_links()

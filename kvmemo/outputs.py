@@ -64,6 +64,12 @@ class RequestMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Why the uncached prompt tokens were computed (kvmemo/kv/miss_causes.py): tokens by cause
+    # (they add up to num_prompt_tokens - num_cached_tokens; other_salt shows as never_seen
+    # here, MissReport.for_the_client), and the token where the prompt
+    # left a cached chain; None before its first schedule and for blended prompts
+    uncached_tokens_by_cause: dict[str, int] | None = None
+    diverged_at_token: int | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvmemo.kv.miss_ledger import MissReport
 from kvmemo.kv.mm_items import MultiModalItem
 from kvmemo.kv.retention import Retention
 from kvmemo.sampling import SamplingParams
@@ -76,6 +77,9 @@ class Request:
     cache_salt: str | None = None
     # Prompt prefixes to keep cached for a while after the request ends (kv/retention.py)
     retention: tuple[Retention, ...] = ()
+    # Why its uncached prompt tokens were computed (kv/miss_causes.py), at first schedule
+    miss_report: MissReport | None = None
+    token_keys: list[int] = field(default_factory=list)  # its blocks' keys over tokens alone
     prompt_text: str | None = None  # the prompt as text, when it was given as text
     eos_token_ids: frozenset[int] = frozenset()
 

@@ -216,6 +216,9 @@ class OutputProcessor:
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )
+        if request.miss_report is not None and not state.blended:
+            metrics.uncached_tokens_by_cause = request.miss_report.for_the_client()
+            metrics.diverged_at_token = request.miss_report.diverged_at
         if state.blended:
             spec = request.blend
             reused = spec.num_reused_tokens if spec is not None else 0

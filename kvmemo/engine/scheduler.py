@@ -23,6 +23,7 @@ from kvmemo.engine.scheduler_output import (
 from kvmemo.errors import InputError
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.hybrid import AnyKVCacheManager
+from kvmemo.kv.miss_causes import explain_misses
 from kvmemo.kv.mm_items import overlapping_items
 from kvmemo.request import Request, RequestStatus
 
@@ -216,6 +217,7 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_cached
+                    request.miss_report = explain_misses(self.kv, request, num_cached)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append((request, num_new))

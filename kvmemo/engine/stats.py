@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmemo.connector.tiered import TieredStore
+from kvmemo.kv.miss_ledger import CAUSES
 
 if TYPE_CHECKING:
     from kvmemo.connector.store_connector import StoreKVConnector
@@ -50,6 +51,8 @@ class EngineStats:
     # and retained blocks evicted before their time because nothing else was free (cumulative)
     retained_blocks: int = 0
     retained_evicted_blocks: int = 0
+    # Uncached prompt tokens by cause (kv/miss_causes.py), cumulative: every cause, in CAUSES order
+    uncached_tokens_by_cause: tuple[tuple[str, int], ...] = ()
     # The persistent KV store (all zero and no tiers without --kv-store).
     store_hit_tokens: int = 0
     store_miss_tokens: int = 0
@@ -70,8 +73,10 @@ class EngineStats:
         flat: dict[str, float | int] = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name != "store_tiers"
+            if f.name not in ("store_tiers", "uncached_tokens_by_cause")
         }
+        for cause, count in self.uncached_tokens_by_cause:
+            flat[f"uncached_tokens_{cause}"] = count
         for tier in self.store_tiers:
             flat[f"store_tier_{tier.name}_served_blocks"] = tier.served_blocks
             flat[f"store_tier_{tier.name}_miss_blocks"] = tier.miss_blocks
@@ -145,6 +150,7 @@ def collect_stats(
         prefix_cache_stored_blocks=prefix.num_stored_blocks,
         retained_blocks=pool.num_retained_blocks,
         retained_evicted_blocks=pool.num_retained_evicted,
+        uncached_tokens_by_cause=tuple((c, pool.misses.totals[c]) for c in CAUSES),
         **extra,
     )
 

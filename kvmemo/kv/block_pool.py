@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmemo.kv.free_queue import FreeBlockQueue, FreeQueueNode
 from kvmemo.kv.hashing import BlockHash, ExtraKeys
+from kvmemo.kv.miss_ledger import MissLedger
 from kvmemo.kv.retention import RetentionLedger
 
 
@@ -33,6 +34,7 @@ class Block(FreeQueueNode):
     group: int = 0  # committed: the layer group whose KV the block holds (the map key's part)
     retained_until: float = 0.0  # a hashed block's retention expiry (the ledger's clock); 0: none
     retained_by: str | None = None  # the retention's owner (a cache_salt), while retained
+    retention_lapsed: bool = False  # its retention ran out (a miss cause once it is evicted)
 
     def set_committed(
         self,
@@ -53,6 +55,7 @@ class Block(FreeQueueNode):
     def reset_hash(self) -> None:
         self.block_hash = self.parent_hash = self.token_ids = self.extra_keys = None
         self.group = 0
+        self.retention_lapsed = False
 
 
 class BlockPool:
@@ -82,6 +85,7 @@ class BlockPool:
         # when the LRU queue is empty.
         self._retained_free: FreeBlockQueue[Block] = FreeBlockQueue()
         self.retention = RetentionLedger(clock) if clock else RetentionLedger()
+        self.misses = MissLedger(4 * num_blocks)  # what explaining a miss needs (miss_causes.py)
         self.num_retained_evicted = 0  # cumulative: retained blocks evicted before their expiry
         self._cached: dict[tuple[int, BlockHash], Block] = {}  # (group, hash) -> block
         # (group, parent hash) -> {block_id: block} of the mapped blocks chained from it, in
@@ -162,6 +166,7 @@ class BlockPool:
         if not siblings:
             del self._children[parent_key]
         self.num_evicted_blocks += block.group == 0  # counters, like events, speak for group 0
+        self.misses.note_evicted(block.block_hash, block.retention_lapsed)
         self._end_retention(block)
         block.reset_hash()
 
@@ -271,6 +276,7 @@ class BlockPool:
             block.retained_until, block.retained_by = 0.0, None
             block.reset_hash()
         self.retention.clear()
+        self.misses.clear()
         self._cached.clear()
         self._children.clear()
         if self.enable_events:
@@ -314,7 +320,7 @@ class BlockPool:
                 if block.ref_count == 0:
                     self._free_queue.remove(block)
                     self._retained_free.append(block)
-                block.retained_by = owner
+                block.retained_by, block.retention_lapsed = owner, False
                 self.retention.push(until, block.block_id)
             elif block.retained_by != owner:
                 continue  # another owner's retention pays for it
@@ -350,6 +356,7 @@ class BlockPool:
                     self._retained_free.remove(block)
                     self._free_queue.appendleft(block)
                 self._end_retention(block)
+                block.retention_lapsed = True
 
     def _end_retention(self, block: Block) -> None:
         """Forgets `block`'s retention (its heap entry goes stale); the caller moves it."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvmemo.kv.block_pool import Block, BlockPool
-from kvmemo.kv.hashing import BlockHash, RequestHasher, extra_keys_for_range
+from kvmemo.kv.hashing import BlockHash, ExtraKeys, RequestHasher, extra_keys_for_range
 from kvmemo.kv.layout import first_window_block
 from kvmemo.kv.match import NO_MATCH, PartialMatch, PrefixMatch
 from kvmemo.kv.partial_index import PartialIndex, common_prefix_len
@@ -44,6 +44,14 @@ class PrefixMatcher:
     _hasher: RequestHasher
     _partial: PartialIndex
     _requests: dict[str, RequestBlocks]
+
+    def parent_hash(self, request: Request, index: int) -> BlockHash:
+        """The hash block `index` of the request is chained from (the root's for block 0)."""
+        return self._hasher.parent_hash(request, index)
+
+    def extra_keys(self, request: Request, index: int) -> ExtraKeys:
+        """Block `index`'s extra keys (its cache_salt, images, reuse marker)."""
+        return self._hasher.extra_keys(request, index)
 
     def get_computed_blocks(self, request: Request) -> PrefixMatch:
         """Longest verified cached prefix of `request`: full blocks, then one partial match.

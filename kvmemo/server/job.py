@@ -61,6 +61,8 @@ class Job:
     token_texts: dict[int, str] = field(default_factory=dict)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # kvmemo's usage extension: why the uncached prompt tokens were computed (miss_causes.py)
+    miss_details: dict[str, Any] = field(default_factory=dict)
     num_blended_tokens: int | None = None  # kv_reuse="blend" only
     num_recomputed_tokens: int | None = None
     # Speculative decoding, per choice: (steps with a draft, drafted tokens, kept tokens).
@@ -94,6 +96,11 @@ class Job:
             self.num_cached_tokens = out.metrics.num_cached_tokens
             self.num_blended_tokens = out.metrics.num_blended_tokens
             self.num_recomputed_tokens = out.metrics.num_recomputed_tokens
+            if out.metrics.uncached_tokens_by_cause is not None:
+                self.miss_details = {
+                    "uncached_tokens_by_cause": out.metrics.uncached_tokens_by_cause}
+                if out.metrics.diverged_at_token is not None:
+                    self.miss_details["diverged_at_token"] = out.metrics.diverged_at_token
         metrics = out.metrics
         if metrics.num_drafts:
             self.drafts[item.index] = (
@@ -105,7 +112,7 @@ class Job:
 
     def usage(self) -> dict[str, Any]:
         completion_tokens = sum(c.num_tokens for c in self.choices)
-        details: dict[str, Any] = {"cached_tokens": self.num_cached_tokens}
+        details: dict[str, Any] = {"cached_tokens": self.num_cached_tokens, **self.miss_details}
         if self.num_blended_tokens is not None:
             details["blended_tokens"] = self.num_blended_tokens
             details["recomputed_tokens"] = self.num_recomputed_tokens

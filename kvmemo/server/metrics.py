@@ -126,6 +126,18 @@ class ServerMetrics:
             ["tier"],
             registry=r,
         )
+        uncached = Gauge(
+            "kvmemo_prompt_uncached_tokens",
+            "Prompt tokens computed rather than read from the cache, by cause (cumulative; "
+            "docs/server.md explains each)",
+            ["cause"],
+            registry=r,
+        )
+        for index, (cause, _) in enumerate(engine.stats.uncached_tokens_by_cause):
+            def count(i: int = index) -> float:
+                return float(engine.stats.uncached_tokens_by_cause[i][1])
+
+            uncached.labels(cause).set_function(count)
         for index, tier in enumerate(engine.stats.store_tiers):  # fixed when the engine is built
             def served(i: int = index) -> float:
                 return float(engine.stats.store_tiers[i].served_blocks)

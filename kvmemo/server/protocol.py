@@ -293,6 +293,9 @@ class PromptTokensDetails(BaseModel):
     # kvmemo, kv_reuse="blend" only: tokens whose KV came from cached chunks, and computed
     blended_tokens: int | None = None
     recomputed_tokens: int | None = None
+    # kvmemo: why the other prompt tokens were computed (kvmemo/kv/miss_causes.py)
+    uncached_tokens_by_cause: dict[str, int] | None = None
+    diverged_at_token: int | None = None
 
 
 class Usage(BaseModel):

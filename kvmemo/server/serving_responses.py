@@ -114,7 +114,8 @@ class ServingResponses(ServingChat):
             "truncation": body.truncation or "disabled", "metadata": body.metadata or {},
             "usage": {
                 "input_tokens": job.num_prompt_tokens,
-                "input_tokens_details": {"cached_tokens": job.num_cached_tokens},
+                "input_tokens_details": {"cached_tokens": job.num_cached_tokens,
+                                         **job.miss_details},
                 "output_tokens": out_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": job.num_prompt_tokens + out_tokens,

@@ -1,0 +1,91 @@
+"""MissLedger: what explaining a miss (miss_causes.py) needs once the pool forgot it, bounded.
+
+It remembers, oldest forgotten first, which hashes left the pool and how (evicted, or evicted
+after their retention ran out), and which cache_salts stored each token chain (keys over the
+tokens alone, so that another tenant's copy of the same tokens is found): diagnostics only, so a
+process-local hash is enough. MissReport is one request's explanation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvmemo.kv.hashing import BlockHash
+
+CAUSES = ("cache_skipped", "last_token", "evicted", "expired_retention", "diverged",
+          "other_salt", "never_seen", "partial_tail")
+EVICTION_POLICY = "lru"  # the pool's, named with every `evicted` count
+_MAX_SIBLINGS = 64  # cached blocks compared when looking for where a prompt diverged
+
+
+@dataclass(frozen=True, slots=True)
+class MissReport:
+    """A request's uncached prompt tokens by cause (only causes with tokens), and where it left
+    a cached chain."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    diverged_at: int | None = None  # token index, for a `diverged` miss
+    eviction_policy: str = EVICTION_POLICY
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def for_the_client(self) -> dict[str, int]:
+        """The causes a request's own answer may carry: other_salt counts as never_seen there,
+        since telling one tenant that another cached the same tokens would leak that tenant's
+        prompt (what cache_salt prevents); the server's aggregate counters keep it."""
+        tokens = dict(self.tokens)
+        if "other_salt" in tokens:
+            tokens["never_seen"] = tokens.get("never_seen", 0) + tokens.pop("other_salt")
+        return tokens
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
+               keys: list[int]) -> list[int]:
+    """Extends `keys` (one per full block, over the tokens alone, chained) to `num_blocks`."""
+    key = keys[-1] if keys else 0
+    for index in range(len(keys), num_blocks):
+        key = hash((key, tuple(token_ids[index * block_size : (index + 1) * block_size])))
+        keys.append(key)
+    return keys
+
+
+class MissLedger:
+    """What a miss needs to be explained once the pool forgot it (module doc), bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._left: OrderedDict[BlockHash, str] = OrderedDict()  # hash -> evicted / expired_...
+        self._salts: OrderedDict[int, frozenset[str | None]] = OrderedDict()  # chain key -> salts
+        self.totals: Counter[str] = Counter()  # uncached prompt tokens by cause, cumulative
+
+    def note_evicted(self, block_hash: BlockHash, retention_lapsed: bool) -> None:
+        self._left[block_hash] = "expired_retention" if retention_lapsed else "evicted"
+        self._left.move_to_end(block_hash)
+        if len(self._left) > self.capacity:
+            self._left.popitem(last=False)
+
+    def note_stored(self, keys: Iterable[int], salt: str | None) -> None:
+        for key in keys:
+            salts = self._salts.get(key, frozenset())
+            if salt not in salts:
+                self._salts[key] = salts | {salt}
+            self._salts.move_to_end(key)
+            if len(self._salts) > self.capacity:
+                self._salts.popitem(last=False)
+
+    def how_it_left(self, block_hash: BlockHash) -> str | None:
+        return self._left.get(block_hash)
+
+    def stored_by_another(self, key: int, salt: str | None) -> bool:
+        return bool(self._salts.get(key, frozenset()) - {salt})
+
+    def record(self, report: MissReport) -> None:
+        self.totals.update(report.tokens)
+
+    def clear(self) -> None:
+        self._left.clear()
+        self._salts.clear()

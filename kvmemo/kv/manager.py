@@ -22,7 +22,6 @@ from kvmemo.kv.hashing import BlockHash, extra_keys_for_range
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.match import BlockCopy, BlockIds, PrefixCacheStats, PrefixMatch
 from kvmemo.kv.matcher import PrefixMatcher, RequestBlocks
-from kvmemo.kv.miss_ledger import chain_keys
 from kvmemo.kv.partial_index import PartialEntry, PartialIndex
 from kvmemo.kv.retained_prefixes import RetainedPrefixes
 from kvmemo.kv.tables import BlockTables
@@ -360,10 +359,9 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
                     token_ids=tuple(tokens[start:num_computed_tokens]),
                 )
             )
-        if self.group == 0 and num_full > state.num_committed_blocks:  # for other_salt misses
-            keys = chain_keys(tokens, size, num_full, request.token_keys)
-            new_keys = keys[state.num_committed_blocks : num_full]
-            self.block_pool.misses.note_stored(new_keys, request.cache_salt)
+        if self.group == 0:  # what explaining later misses needs (miss_causes.py)
+            self.block_pool.misses.note_committed(
+                request, state.num_committed_blocks, num_full, size)
         state.num_committed_blocks = max(state.num_committed_blocks, num_full)
         self.release_outside_window(request, num_computed_tokens)
 

@@ -10,8 +10,12 @@ served are not counted):
   still cached but unreachable because a block before it in its chain (or one of another layer
   group) was evicted;
 - expired_retention: evicted after its retention (cache_control ttl) had run out;
-- diverged: the block where the prompt leaves a cached chain (a cached block with the same
-  parent exists): `diverged_at` is the first token that differs from the closest such block;
+- template_drift: the block where the prompt leaves a cached chain at a token the engine
+  generated (or the one just before it, which a tokenizer may merge with the reply's first
+  word): the conversation's history re-renders an earlier reply in other tokens than it was
+  generated as (a template that drops reasoning or reformats tool calls); `diverged_at` is the
+  first token that differs;
+- diverged: the same, at a prompt token (an edited system prompt or history);
 - other_salt: the same tokens, after the same tokens, are or were cached under another cache_salt
   (the server's counters only: a request's own answer says never_seen, see for_the_client);
 - never_seen: none of the above (within the ledger's memory, miss_ledger.py);
@@ -63,27 +67,33 @@ def explain_misses(kv: AnyKVCacheManager, request: Request, num_cached: int) -> 
                 cause = cause or "evicted"  # unreachable: a block before it went
             elif (left := pool.misses.how_it_left(block_hash)) is not None:
                 cause = left
-            elif index == first and (at := _diverged_at(manager, request, index)) is not None:
-                cause, diverged_at = "diverged", at
+            elif index == first and (found := _divergence(manager, request, index)):
+                diverged_at, drift = found
+                cause = "template_drift" if drift else "diverged"
             elif pool.misses.stored_by_another(keys[index], request.cache_salt):
                 cause = "other_salt"
             else:
                 cause = "never_seen"
             add(cause, end - start)
-        add("partial_tail", num_prompt - max(num_full * size, num_cached))
+        tail = num_prompt - max(num_full * size, num_cached)
+        found = _divergence(manager, request, num_full) if tail and first == num_full else None
+        if found:  # the prompt leaves a cached chain in its last, partial block
+            diverged_at = found[0]
+        add("template_drift" if found and found[1] else "partial_tail", tail)
     report = MissReport(tokens, diverged_at)
     pool.misses.record(report)
     return report
 
 
-def _diverged_at(manager: KVCacheManager, request: Request, index: int) -> int | None:
-    """The first token where block `index` differs from the closest cached block chained from
-    the same parent with the same extra keys (so the same cache_salt: another tenant's tokens
-    are never compared), if one is cached and the prompt matched anything before; else None."""
+def _divergence(manager: KVCacheManager, request: Request, index: int) -> tuple[int, bool] | None:
+    """(the first token where block `index` differs from the closest cached block chained from
+    the same parent with the same extra keys, whether that block's differing token was
+    generated), if such a block is cached and the prompt matched anything before; else None.
+    The same extra keys mean the same cache_salt: another tenant's tokens are never compared."""
     size = manager.block_size
     parent, keys = manager.parent_hash(request, index), manager.extra_keys(request, index)
     own = request.prompt_token_ids[index * size : (index + 1) * size]
-    best = -1
+    best, drift = -1, False
     siblings = manager.block_pool.get_cached_children(parent, manager.group)
     for count, sibling in enumerate(siblings):
         if count == _MAX_SIBLINGS:
@@ -95,6 +105,11 @@ def _diverged_at(manager: KVCacheManager, request: Request, index: int) -> int |
             if a != b:
                 break
             same += 1
-        best = max(best, same)
+        if same > best:
+            assert sibling.block_hash is not None
+            generated = manager.block_pool.misses.generated_from(sibling.block_hash)
+            # A reply re-rendered as other text may also change the token before it, where a
+            # tokenizer merges the template's separator with the reply's first word.
+            best, drift = same, generated is not None and generated - 1 <= same
     position = index * size + best
-    return position if best >= 0 and position > 0 else None
+    return (position, drift) if best >= 0 and position > 0 else None

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmemo.kv.hashing import BlockHash
 
-CAUSES = ("cache_skipped", "last_token", "evicted", "expired_retention", "diverged",
-          "other_salt", "never_seen", "partial_tail")
+CAUSES = ("cache_skipped", "last_token", "evicted", "expired_retention", "template_drift",
+          "diverged", "other_salt", "never_seen", "partial_tail")
 EVICTION_POLICY = "lru"  # the pool's, named with every `evicted` count
 _MAX_SIBLINGS = 64  # cached blocks compared when looking for where a prompt diverged
 
@@ -53,6 +54,18 @@ def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
     return keys
 
 
+class CommittedRequest(Protocol):
+    """What note_committed reads of a request (kvmemo.request.Request)."""
+
+    all_token_ids: list[int]
+    token_keys: list[int]
+    block_hashes: list[BlockHash]
+    cache_salt: str | None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
 class MissLedger:
     """What a miss needs to be explained once the pool forgot it (module doc), bounded."""
 
@@ -60,22 +73,40 @@ class MissLedger:
         self.capacity = max(1, capacity)
         self._left: OrderedDict[BlockHash, str] = OrderedDict()  # hash -> evicted / expired_...
         self._salts: OrderedDict[int, frozenset[str | None]] = OrderedDict()  # chain key -> salts
+        # hash of a block holding generated tokens -> the offset of its first generated token
+        self._generated: OrderedDict[BlockHash, int] = OrderedDict()
         self.totals: Counter[str] = Counter()  # uncached prompt tokens by cause, cumulative
 
     def note_evicted(self, block_hash: BlockHash, retention_lapsed: bool) -> None:
-        self._left[block_hash] = "expired_retention" if retention_lapsed else "evicted"
-        self._left.move_to_end(block_hash)
-        if len(self._left) > self.capacity:
-            self._left.popitem(last=False)
+        self._remember(self._left, block_hash, "expired_retention" if retention_lapsed
+                       else "evicted")
+
+    def note_committed(self, request: CommittedRequest, start: int, end: int, size: int) -> None:
+        """Blocks start..end of `request` were committed: their token chains under its salt,
+        and which of them hold generated tokens (a later prompt diverging there re-rendered a
+        reply: template drift)."""
+        if end <= start:
+            return
+        keys = chain_keys(request.all_token_ids, size, end, request.token_keys)
+        self.note_stored(keys[start:end], request.cache_salt)
+        for index in range(max(start, request.num_prompt_tokens // size), end):
+            offset = max(0, request.num_prompt_tokens - index * size)
+            self._remember(self._generated, request.block_hashes[index], offset)
+
+    def generated_from(self, block_hash: BlockHash) -> int | None:
+        """The offset in the block of its first generated token, if it holds any."""
+        return self._generated.get(block_hash)
+
+    def _remember(self, table: OrderedDict, key: object, value: object) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        if len(table) > self.capacity:
+            table.popitem(last=False)
 
     def note_stored(self, keys: Iterable[int], salt: str | None) -> None:
         for key in keys:
             salts = self._salts.get(key, frozenset())
-            if salt not in salts:
-                self._salts[key] = salts | {salt}
-            self._salts.move_to_end(key)
-            if len(self._salts) > self.capacity:
-                self._salts.popitem(last=False)
+            self._remember(self._salts, key, salts | {salt})
 
     def how_it_left(self, block_hash: BlockHash) -> str | None:
         return self._left.get(block_hash)
@@ -89,3 +120,4 @@ class MissLedger:
     def clear(self) -> None:
         self._left.clear()
         self._salts.clear()
+        self._generated.clear()

@@ -17,13 +17,18 @@ from tests.kv.test_retention import FakeClock
 A = list(range(1, 13))  # three full 4-token blocks
 
 
-def _serve(manager: KVCacheManager, request: Request) -> MissReport:
-    """Runs the request as the scheduler would; returns its report, checked to add up."""
+def _serve(manager: KVCacheManager, request: Request, reply: list[int] = ()) -> MissReport:
+    """Runs the request as the scheduler would, generating `reply`; returns its report,
+    checked to add up."""
     prefix, new = admit(manager, request)
     assert new is not None, "no room"
     report = explain_misses(manager, request, prefix.num_tokens)
     assert report.num_tokens == request.num_prompt_tokens - prefix.num_tokens, report
     finish_step(manager, request)
+    for token in reply:  # one decode step each
+        request.append_output_token(token)
+        assert manager.allocate_slots(request, 1) is not None
+        finish_step(manager, request, 1)
     manager.retain(request)
     manager.free(request)
     return report
@@ -83,6 +88,23 @@ def test_a_prompt_that_leaves_a_cached_chain_names_the_token() -> None:
     assert report.tokens == {"diverged": 4, "never_seen": 4} and report.diverged_at == 6
 
 
+def test_a_history_that_re_renders_a_reply_is_template_drift() -> None:
+    """Turn 2 carries turn 1's reply in other tokens (a template dropped its reasoning): the
+    miss starts at the reply's first token, and says so."""
+    manager = make_manager()
+    turn1 = A[:6]
+    _serve(manager, make_request("t1", turn1), reply=[40, 41, 42, 43, 44, 45, 46, 47])
+    drifted = turn1 + [46, 47, 50, 51, 52, 53]  # the reply's first tokens dropped
+    report = _serve(manager, make_request("t2", drifted))
+    assert report.diverged_at == 6
+    assert report.tokens == {"template_drift": 2, "never_seen": 4}
+    # the same history kept as generated reuses it all; an edited prompt is only diverged
+    kept = _serve(manager, make_request("t3", turn1 + [40, 41, 42, 43, 44, 45, 46, 47, 60]))
+    assert kept.tokens == {"last_token": 1}
+    edited = _serve(manager, make_request("t4", A[:4] + [99, 6, 40, 41, 7]))
+    assert edited.tokens == {"diverged": 4, "partial_tail": 1} and edited.diverged_at == 4
+
+
 def test_another_tenants_copy_is_named() -> None:
     manager = make_manager()
     _serve(manager, make_request("a", A, cache_salt="tenant-x"))
@@ -127,7 +149,11 @@ def test_causes_add_up_on_a_mixed_workload_and_in_the_totals() -> None:
             manager.check_retention(request)
         except ValueError:
             request.retention = ()
-        report = _serve(manager, request)
+        reply = [rng.randrange(50) for _ in range(rng.choice([0, 0, 3, 6]))]
+        if rng.random() < 0.3:  # the next turn: this history, its reply re-rendered or not
+            history = tokens + (reply if rng.random() < 0.5 else reply[1:])
+            stems.append(history + [rng.randrange(50) for _ in range(3)])
+        report = _serve(manager, request, reply)
         for cause, count in report.tokens.items():
             expected[cause] += count
         seen.update(report.tokens)

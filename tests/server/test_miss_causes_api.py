@@ -79,3 +79,37 @@ def test_a_flooded_conversation_was_evicted(server, client):
     again = _ask(server, client, question)
     assert again["uncached_tokens_by_cause"].get("evicted", 0) >= 64
     assert _counter(server, "evicted") >= 64
+
+
+# A ChatML template that drops an assistant's reasoning from the history (as Qwen's does)
+DROPS_REASONING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_drops_reasoning_is_reported_as_drift(server, client):
+    """Turn 1 answers with reasoning (forced by a regex); turn 2's history, rendered by a
+    template that drops it, leaves the cache at the reply's first token, and usage says so."""
+    model = server.model_name()
+    history = [{"role": "system", "content": SYSTEM},
+               {"role": "user", "content": "Which lock should I buy for a city bike?"}]
+    options = {"chat_template": DROPS_REASONING}
+    first = client.chat.completions.create(
+        model=model, messages=history, max_tokens=80, temperature=0.0,
+        extra_body={**options, "structured_outputs": {
+            "regex": "<think>[a-z ]{30,60}</think>[A-Za-z ]{10,30}"}})
+    reply = first.choices[0].message.content
+    assert reply.startswith("<think>") and "</think>" in reply
+    second = client.chat.completions.create(
+        model=model, max_tokens=1, temperature=0.0, extra_body=options,
+        messages=[*history, {"role": "assistant", "content": reply},
+                  {"role": "user", "content": "And a helmet?"}])
+    details = second.usage.model_dump()["prompt_tokens_details"]
+    # at the reply's first token, or the one before it (here the template's newline, which
+    # the tokenizer merges with the re-rendered reply's first word)
+    reply_start = first.usage.prompt_tokens
+    assert details["diverged_at_token"] in (reply_start - 1, reply_start)
+    assert details["cached_tokens"] == details["diverged_at_token"]
+    assert details["uncached_tokens_by_cause"].get("template_drift", 0) > 0

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvmemo.connector.line_log import disk_store_dir
 from kvmemo.engine.engine import Engine
 from kvmemo.engine.request_stream import RequestStream, StreamItem
 from kvmemo.engine.stats import EngineStats, KVInfo
@@ -98,6 +99,10 @@ class AsyncEngine:
         self.stats: EngineStats = engine.stats()  # the engine thread's latest snapshot
         self.max_model_len: int = engine.max_model_len
         self.chat_template: str | None = engine.processor.chat_template  # read-only here
+        # Thread-safe: the server reads the ids replies were generated as and seeds them back
+        # after a restart (server/response_store.py).
+        self.reply_tokens = engine.processor.reply_tokens
+        self.disk_store_dir = disk_store_dir(engine.kv_connector)  # None without a disk store
         self._kv_info = engine.kv_info()  # fixed when the engine is built
         self.num_generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="kvmemo-engine", daemon=True)

@@ -17,6 +17,7 @@ import torch
 
 from kvmemo.attention.backend import select_attention_backend
 from kvmemo.config import EngineConfig
+from kvmemo.connector.line_log import disk_store_dir
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.engine.beam_driver import BeamSearchDriver
 from kvmemo.engine.blend_driver import BlendDriver, BlendSettings
@@ -183,8 +184,5 @@ def build_engine(config: EngineConfig) -> EngineParts:
 def corpus_log(connector: StoreKVConnector | None) -> CorpusLog | None:
     """The speculative corpus's file beside the disk KV store (in its model namespace's
     directory), if there is one; 64 MiB at most."""
-    store = connector.store if connector is not None else None
-    for tier in getattr(store, "tiers", [store]):
-        if tier is not None and tier.kind == "disk":
-            return CorpusLog(tier.dir, 64 * 2**20)
-    return None
+    directory = disk_store_dir(connector)
+    return None if directory is None else CorpusLog(directory, 64 * 2**20)

@@ -18,6 +18,7 @@ prompt_cache_options.ttl keep the whole prompt cached for that long (kv/retentio
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -26,12 +27,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvmemo.connector.line_log import LineLog
 from kvmemo.engine import EngineDeadError
 from kvmemo.kv.retention import Retention
 from kvmemo.server.errors import APIError
 from kvmemo.server.job import Job
 from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvmemo.server.response_store import ResponseStore
+from kvmemo.server.response_store import FILE_NAME, ResponseStore
 from kvmemo.server.responses_protocol import (
     ResponsesRequest,
     chat_request,
@@ -39,6 +41,8 @@ from kvmemo.server.responses_protocol import (
     retention,
 )
 from kvmemo.server.serving_chat import ServingChat
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +58,13 @@ class ServingResponses(ServingChat):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.store = ResponseStore()
+        directory = self.engine.disk_store_dir
+        log = None if directory is None else LineLog(
+            directory / FILE_NAME, 128 << 20, "stored responses")
+        self.store = ResponseStore(log=log)
+        loaded = self.store.load(self.engine.reply_tokens.remember)
+        if loaded:
+            logger.info("stored responses: %d read back from %s", loaded, log and log.path)
         self._pending: dict[str, _Pending] = {}  # request id -> its request, until answered
 
     async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
@@ -144,7 +154,13 @@ class ServingResponses(ServingChat):
         response = self.response_json(job, items, final=True)
         pending = self._pending[job.name or ""]
         if pending.body.store:
-            self.store.put(response, pending.conversation + [message], pending.body.cache_salt)
+            salt, text = pending.body.cache_salt, message.get("content")
+            ids = self.engine.reply_tokens.get(text, salt) if isinstance(text, str) else None
+            earlier = self.store.get(pending.body.previous_response_id or "", salt)
+            replies = list(earlier.replies) if earlier else []  # the conversation's replies
+            if ids is not None and isinstance(text, str):
+                replies.append((text, list(ids)))
+            self.store.put(response, pending.conversation + [message], salt, replies)
         return response
 
     def full_response(self, job: Job) -> dict[str, Any]:

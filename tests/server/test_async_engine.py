@@ -21,6 +21,7 @@ from kvmemo.sampling import SamplingParams
 
 class _Processor:
     chat_template = None
+    reply_tokens = None
 
     def __init__(self):
         self.batches: list[list[str]] = []  # encode_texts calls
@@ -64,6 +65,7 @@ class FakeEngine:
         self.processor = _Processor()
         self.scheduler = _Scheduler()
         self.tokenizer = None
+        self.kv_connector = None
         self.max_model_len = 64
         self.params: dict[str, SamplingParams] = {}
         self.added: dict[str, SamplingParams] = {}  # every request ever added

@@ -1,7 +1,8 @@
 """OpenAI's Responses API on a real `kvmemo serve`, through the unmodified `openai` SDK: text,
 streamed events (the same text), a function call and its output, previous_response_id chains
 over six turns that reuse every token computed before, a stored response retrieved and deleted,
-text.format json_schema, and 4xx naming the field; and the OpenAI Agents SDK (openai-agents),
+text.format json_schema, 4xx naming the field, stored responses surviving a restart with a
+disk KV store; and the OpenAI Agents SDK (openai-agents),
 unmodified, running a tool-using agent over two turns, the second reading the first from the
 prefix cache."""
 
@@ -153,3 +154,31 @@ def test_the_openai_agents_sdk_runs_a_two_turn_tool_agent(server):
     assert second.final_output == "4 C and windy in Bergen"
     assert cities == ["Oslo", "Bergen"]
     assert reused >= 150  # turn 2 read turn 1's prompt and call from the cache
+
+
+def test_stored_responses_survive_a_restart_with_a_disk_store(tmp_path):
+    """With --kv-store disk:..., a stored response is there after a restart (a deleted one is
+    not), and a follow-up to it reuses every earlier token: the conversation from the response
+    log, its KV from the disk store."""
+    flags = ("--num-blocks", "256", "--max-model-len", "2048", "--kv-store", f"disk:{tmp_path}")
+    with launch_server(*flags) as first_run:
+        client = first_run.openai()
+        model = first_run.model_name()
+        kept = client.responses.create(
+            model=model, instructions="You name fruits.", input="Name one fruit, then stop.",
+            max_output_tokens=24, temperature=0)
+        gone = client.responses.create(model=model, input="Say hi.", max_output_tokens=4,
+                                       temperature=0)
+        client.responses.delete(gone.id)
+    with launch_server(*flags) as second_run:
+        client = second_run.openai()
+        assert client.responses.retrieve(kept.id).output_text == kept.output_text
+        from openai import NotFoundError
+
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(gone.id)
+        follow_up = client.responses.create(
+            model=model, previous_response_id=kept.id, input="And another one?",
+            max_output_tokens=8, temperature=0)
+        computed = kept.usage.input_tokens + kept.usage.output_tokens
+        assert follow_up.usage.input_tokens_details.cached_tokens >= computed - 16

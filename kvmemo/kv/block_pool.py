@@ -85,7 +85,9 @@ class BlockPool:
         # when the LRU queue is empty.
         self._retained_free: FreeBlockQueue[Block] = FreeBlockQueue()
         self.retention = RetentionLedger(clock) if clock else RetentionLedger()
-        self.misses = MissLedger(4 * num_blocks)  # what explaining a miss needs (miss_causes.py)
+        # What explaining a miss needs (miss_causes.py): about 200 bytes an entry, so bounded
+        # by 4x the pool and 64Ki entries a table (about 40 MiB at most).
+        self.misses = MissLedger(min(4 * num_blocks, 1 << 16))
         self.num_retained_evicted = 0  # cumulative: retained blocks evicted before their expiry
         self._cached: dict[tuple[int, BlockHash], Block] = {}  # (group, hash) -> block
         # (group, parent hash) -> {block_id: block} of the mapped blocks chained from it, in

@@ -113,3 +113,32 @@ def test_prompt_cache_retention_keeps_the_prompt_through_a_flood(server, oai):
     with pytest.raises(openai.BadRequestError) as error:
         ask(kept_text, "forever", "Hi")
     assert "prompt_cache_retention must be 'in_memory' or '24h'" in str(error.value)
+
+
+def test_a_breakpoint_keeps_only_the_prefix_up_to_its_block(server, claude, oai):
+    """A mark on the first user turn of a longer conversation: after a flood, the same
+    conversation reads back the prefix up to the marked block (within a block), not beyond."""
+    model = server.model_name()
+    system = _text("mid", 2)
+    marked_turn = {"role": "user", "content": [
+        {"type": "text", "text": "First question: " + _text("mid-q", 1),
+         "cache_control": {"type": "ephemeral"}}]}
+    rest = [{"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Second question: " + _text("mid-later", 2)}]
+    ask = {"model": model, "max_tokens": 2, "system": system,
+           "extra_body": {"temperature": 0.0, "cache_salt": "mid"}}
+    upto_mark = claude.messages.count_tokens(
+        model=model, system=system, messages=[marked_turn]).input_tokens
+    whole = claude.messages.create(**ask, messages=[marked_turn, *rest])
+    total = _total(whole.usage)
+    assert total > upto_mark + 64  # the unmarked rest is long enough to tell apart
+    _flood(oai, model, "flood-m")
+    again = claude.messages.create(**ask, messages=[marked_turn, *rest])
+    read = again.usage.cache_read_input_tokens
+    # the marked prefix (its full blocks; the chat template closes the turn, so the cut
+    # renders a few tokens more than count_tokens' generation prompt differs by) and no more
+    assert upto_mark - 32 <= read <= upto_mark + 16, (read, upto_mark, total)
+
+
+def _total(usage) -> int:
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens

@@ -42,6 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "finish_reason": completion.finish_reason,
             "prompt_tokens": out.metrics.num_prompt_tokens,
             "cached_prompt_tokens": out.metrics.num_cached_tokens,
+            "uncached_prompt_tokens_by_cause": out.metrics.uncached_tokens_by_cause,
             "ttft_s": out.metrics.ttft_s,
             "latency_s": out.metrics.latency_s,
             "draft_tokens": out.metrics.num_draft_tokens,
@@ -50,6 +51,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(completion.text)
     if args.verbose:
+        metrics, causes = out.metrics, out.metrics.uncached_tokens_by_cause or {}
+        print(f"prompt: {metrics.num_prompt_tokens} tokens, {metrics.num_cached_tokens} from the "
+              "cache; computed: " + (", ".join(f"{n} {c}" for c, n in causes.items()) or "none"),
+              file=sys.stderr)
         if llm.config.speculative_config is not None:
             drafted, kept = out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens
             print(

@@ -83,6 +83,10 @@ def test_cli_generate_json():
     result = json.loads(proc.stdout)
     assert len(result["token_ids"]) <= 5 and result["text"]
     assert result["prompt_tokens"] > 0
+    # a first prompt in a fresh process: nothing cached, every token a miss with its cause
+    causes = result["uncached_prompt_tokens_by_cause"]
+    assert sum(causes.values()) == result["prompt_tokens"] - result["cached_prompt_tokens"]
+    assert set(causes) <= {"never_seen", "partial_tail"}
 
 
 @pytest.mark.model

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvmemo.kv.miss_ledger import MissReport
-from kvmemo.kv.mm_items import MultiModalItem
+from kvmemo.kv.mm_items import MultiModalItem, overlapping_items
 from kvmemo.kv.retention import Retention
 from kvmemo.sampling import SamplingParams
 
@@ -79,7 +79,7 @@ class Request:
     retention: tuple[Retention, ...] = ()
     # Why its uncached prompt tokens were computed (kv/miss_causes.py), at first schedule
     miss_report: MissReport | None = None
-    token_keys: list[int] = field(default_factory=list)  # its blocks' keys over tokens alone
+    token_keys: list[bytes] = field(default_factory=list)  # its blocks' keys over tokens alone
     prompt_text: str | None = None  # the prompt as text, when it was given as text
     eos_token_ids: frozenset[int] = frozenset()
 
@@ -133,6 +133,15 @@ class Request:
         """Reads no cached KV (it still shares what it computes): prompt logprobs need every
         prompt position's logits, which only a forward over it gives."""
         return self.sampling_params.prompt_logprobs is not None
+
+    def mm_inputs(self, start: int, end: int) -> tuple:
+        """(item, encoder input) of each image whose placeholders meet [start, end): only those
+        need features in a step over those tokens, so an image whose blocks were all cache hits
+        is never encoded."""
+        if not self.mm_items or start >= self.num_prompt_tokens:
+            return ()
+        items = self.mm_items
+        return tuple((items[i], self.mm_data[i]) for i in overlapping_items(items, start, end))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,7 +24,6 @@ from kvmemo.errors import InputError
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.hybrid import AnyKVCacheManager
 from kvmemo.kv.miss_causes import explain_misses
-from kvmemo.kv.mm_items import overlapping_items
 from kvmemo.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -247,7 +246,7 @@ class Scheduler:
                 needs_sample=r.num_computed_tokens + n == r.num_tokens,
                 sampling_params=r.sampling_params,
                 num_output_tokens=r.num_output_tokens,
-                mm_inputs=_mm_inputs(r, r.num_computed_tokens, r.num_computed_tokens + n),
+                mm_inputs=r.mm_inputs(r.num_computed_tokens, r.num_computed_tokens + n),
                 return_logprobs_row=not r.sample_tokens,
                 token_history=(
                     (r.prompt_token_ids, r.output_token_ids)
@@ -442,12 +441,3 @@ class Scheduler:
             self.kv.retain(request)  # its Retention ranges, if any, before its blocks go free
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
-
-
-def _mm_inputs(request: Request, start: int, end: int) -> tuple:
-    """(item, encoder input) of each image whose placeholders meet [start, end): only those need
-    features this step, so an image whose blocks were all cache hits is never encoded."""
-    if not request.mm_items or start >= request.num_prompt_tokens:
-        return ()
-    items = request.mm_items
-    return tuple((items[i], request.mm_data[i]) for i in overlapping_items(items, start, end))

@@ -2,12 +2,14 @@
 
 It remembers, oldest forgotten first, which hashes left the pool and how (evicted, or evicted
 after their retention ran out), and which cache_salts stored each token chain (keys over the
-tokens alone, so that another tenant's copy of the same tokens is found): diagnostics only, so a
-process-local hash is enough. MissReport is one request's explanation.
+tokens alone, so that another tenant's copy of the same tokens is found). MissReport is one
+request's explanation.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,11 +47,14 @@ class MissReport:
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
-               keys: list[int]) -> list[int]:
-    """Extends `keys` (one per full block, over the tokens alone, chained) to `num_blocks`."""
-    key = keys[-1] if keys else 0
+               keys: list[bytes]) -> list[bytes]:
+    """Extends `keys` (one per full block, over the tokens alone, chained) to `num_blocks`.
+    BLAKE2b, not hash(): deterministic across processes and not collidable on purpose (a
+    crafted collision would make one tenant's miss report another's tokens as other_salt)."""
+    key = keys[-1] if keys else b""
     for index in range(len(keys), num_blocks):
-        key = hash((key, tuple(token_ids[index * block_size : (index + 1) * block_size])))
+        block = token_ids[index * block_size : (index + 1) * block_size]
+        key = hashlib.blake2b(key + array("q", block).tobytes(), digest_size=16).digest()
         keys.append(key)
     return keys
 
@@ -58,7 +63,7 @@ class CommittedRequest(Protocol):
     """What note_committed reads of a request (kvmemo.request.Request)."""
 
     all_token_ids: list[int]
-    token_keys: list[int]
+    token_keys: list[bytes]
     block_hashes: list[BlockHash]
     cache_salt: str | None
 
@@ -72,7 +77,7 @@ class MissLedger:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self._left: OrderedDict[BlockHash, str] = OrderedDict()  # hash -> evicted / expired_...
-        self._salts: OrderedDict[int, frozenset[str | None]] = OrderedDict()  # chain key -> salts
+        self._salts: OrderedDict[bytes, frozenset[str | None]] = OrderedDict()  # chain key -> salts
         # hash of a block holding generated tokens -> the offset of its first generated token
         self._generated: OrderedDict[BlockHash, int] = OrderedDict()
         self.totals: Counter[str] = Counter()  # uncached prompt tokens by cause, cumulative
@@ -103,7 +108,7 @@ class MissLedger:
         if len(table) > self.capacity:
             table.popitem(last=False)
 
-    def note_stored(self, keys: Iterable[int], salt: str | None) -> None:
+    def note_stored(self, keys: Iterable[bytes], salt: str | None) -> None:
         for key in keys:
             salts = self._salts.get(key, frozenset())
             self._remember(self._salts, key, salts | {salt})
@@ -111,7 +116,7 @@ class MissLedger:
     def how_it_left(self, block_hash: BlockHash) -> str | None:
         return self._left.get(block_hash)
 
-    def stored_by_another(self, key: int, salt: str | None) -> bool:
+    def stored_by_another(self, key: bytes, salt: str | None) -> bool:
         return bool(self._salts.get(key, frozenset()) - {salt})
 
     def record(self, report: MissReport) -> None:

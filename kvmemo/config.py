@@ -13,6 +13,7 @@ from typing import Any
 from kvmemo.attention.names import ATTENTION_BACKENDS
 from kvmemo.connector.spec import parse_kv_stores
 from kvmemo.intake.segments import KV_REUSE_MODES
+from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 from kvmemo.kv.hashing import HASH_ALGORITHMS
 from kvmemo.spec.config import SpeculativeConfig
 from kvmemo.units import parse_size_bytes
@@ -68,6 +69,10 @@ class EngineConfig:
     enable_partial_reuse: bool = True  # copy the KV of a partially filled matching block
     prefix_cache_hash: str = "sha256"  # or xxh3_128: faster, unsafe where tenants share a cache
     enable_kv_events: bool = False  # collect BlockStored / BlockRemoved / AllBlocksCleared
+    # Which free cached block goes first when the pool needs room (kv/eviction.py): "aged-arc"
+    # (LRU's order until evicted-then-recomputed blocks show that reused ones deserve longer),
+    # "lru", "arc" or "s3fifo"; chosen by replaying a production trace (docs/benchmarks.md)
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
     # Tokens of prompt prefixes one cache_salt may hold retained (Anthropic's cache_control
     # ttl, OpenAI's prompt_cache_retention; kv/retention.py); None: a quarter of the KV pool
     max_retained_tokens: int | None = None
@@ -111,6 +116,7 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("prefix_cache_hash", self.prefix_cache_hash, HASH_ALGORITHMS)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(
                 f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}"

@@ -2,8 +2,12 @@
 report the token-weighted prefix hit ratio beside an unlimited cache and Belady's optimum.
 
     python -m benchmarks.traces.replay ../shared/traces/mooncake/conversation_trace.jsonl \
-        --capacity-tokens 3000000 [--policy lru] [--block-tokens 512] \
+        --capacity-tokens 3000000 [--policy aged-arc] [--format auto] [--block-tokens 512] \
         [--decode-ms-per-token 0] [--limit N] [--json]
+
+Formats (trace.py): Mooncake's (512-token blocks) and Alibaba Bailian's (16-token blocks, with
+chat_id, parent_chat_id, turn and type); `--format auto` tells them by the first line, and
+`--block-tokens` defaults to the format's block size. Policies: kvmemo/kv/eviction.py.
 
 Invariant: the pool is driven as the KV manager drives it: a request's cached prefix is found
 block by block from its first block (a hit needs every block before it), its hit blocks are
@@ -27,12 +31,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.traces.trace import TraceRequest, read_mooncake
-from kvmemo.kv.block_pool import Block, BlockPool
+from benchmarks.traces.trace import BLOCK_TOKENS, TRACE_FORMATS, TraceRequest, read_trace
+from kvmemo.kv.block import Block
+from kvmemo.kv.block_pool import BlockPool
+from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY
+from kvmemo.kv.eviction import EVICTION_POLICIES as POLICIES
 from kvmemo.kv.hashing import BlockHash
 
 ROOT = BlockHash(b"trace-root")
-POLICIES = ("lru",)  # the pool's eviction orders (lru: its free queue, as today)
 
 
 @dataclass
@@ -76,7 +82,7 @@ def replay_pool(requests: Sequence[TraceRequest], capacity_blocks: int, block_to
     invariant checker after every that many requests (tests)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
-    pool = BlockPool(capacity_blocks, enable_caching=True)
+    pool = BlockPool(capacity_blocks, enable_caching=True, eviction_policy=policy)
     result = ReplayResult(policy, capacity_blocks, block_tokens)
     in_flight: list[tuple[float, int, list[Block]]] = []  # (end ms, order, blocks) heap
     for order, request in enumerate(requests):
@@ -177,19 +183,25 @@ def belady(requests: Sequence[TraceRequest], capacity_blocks: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="a Mooncake-format trace (JSON lines)")
+    parser.add_argument("trace", help="a Mooncake or Alibaba Bailian trace (JSON lines)")
     parser.add_argument("--capacity-tokens", type=int, required=True)
-    parser.add_argument("--policy", default="lru", choices=POLICIES)
-    parser.add_argument("--block-tokens", type=int, default=512)
+    parser.add_argument("--policy", default=DEFAULT_EVICTION_POLICY, choices=POLICIES,
+                        help=f"the pool's eviction policy (default: {DEFAULT_EVICTION_POLICY})")
+    parser.add_argument("--format", default="auto", choices=("auto", *TRACE_FORMATS))
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="tokens per hash id (default: the format's, Mooncake 512, "
+                        "Alibaba 16)")
     parser.add_argument("--decode-ms-per-token", type=float, default=0.0,
                         help="model requests in flight: each holds its blocks for output_length "
                         "x this many ms after its timestamp (default 0: freed at once)")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    fmt, requests = read_trace(args.trace, args.format, args.limit)
+    if args.block_tokens is None:
+        args.block_tokens = BLOCK_TOKENS[fmt]
     if args.capacity_tokens < args.block_tokens or args.block_tokens < 1:
         parser.error("--capacity-tokens must hold at least one block of --block-tokens (>= 1)")
-    requests = read_mooncake(args.trace, args.limit)
     capacity = args.capacity_tokens // args.block_tokens
     start = time.perf_counter()
     pool = replay_pool(requests, capacity, args.block_tokens, args.decode_ms_per_token,
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     best = belady(requests, capacity, args.block_tokens)
     ceiling = unlimited(requests, args.block_tokens)
     report = {
-        "trace": args.trace, "requests": len(requests), "policy": args.policy,
+        "trace": args.trace, "format": fmt, "requests": len(requests), "policy": args.policy,
         "capacity_tokens": capacity * args.block_tokens, "capacity_blocks": capacity,
         "block_tokens": args.block_tokens, "decode_ms_per_token": args.decode_ms_per_token,
         "hit_ratio": round(pool.hit_ratio, 4), "block_hit_ratio": round(pool.block_hit_ratio, 4),

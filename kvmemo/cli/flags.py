@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kvmemo.config import EngineConfig
+from kvmemo.kv.eviction import EVICTION_POLICIES
 
 
 def add_engine_flags(
@@ -85,6 +86,12 @@ def add_engine_flags(
         help="context length cap (default: the model's)",
     )
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument(
+        "--eviction-policy", choices=EVICTION_POLICIES, default=EngineConfig.eviction_policy,
+        help="which free cached block goes first when the KV pool needs room: aged-arc (LRU's "
+        "order until evicted blocks that come back show reuse deserves longer), lru, arc, "
+        f"s3fifo (default: {EngineConfig.eviction_policy})",
+    )
     g.add_argument(
         "--max-retained-tokens", type=int, default=None, metavar="N",
         help="prompt-prefix tokens one cache_salt may keep retained (Anthropic cache_control "
@@ -220,6 +227,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_partial_reuse=not args.no_partial_reuse,
+        eviction_policy=args.eviction_policy,
         max_retained_tokens=args.max_retained_tokens,
         # One --kv-store stays a string; several are tiers, in the order given.
         kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,

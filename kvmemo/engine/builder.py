@@ -117,6 +117,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         layout,
         enable_caching=config.enable_prefix_caching,
         enable_partial_reuse=config.enable_partial_reuse,
+        eviction_policy=config.eviction_policy,
         # The KV store saves what BlockStored events announce, so it needs them too.
         enable_events=config.enable_kv_events or config.kv_store is not None,
     )

@@ -1,10 +1,10 @@
 """BlockPool: every KV block's ref count, hash and free-queue position, plus the hash -> block map.
 
 Invariant: each block is free (ref_count 0, in a free queue) xor referenced; a free block sits in
-the retained queue iff it has an unexpired retention (retention.py), else in the LRU queue; a
-(group, hash)
-maps to at most one block and only blocks carrying that hash in that group are mapped ("stored
-once"); the parent index holds exactly the mapped blocks, each under its (group, parent hash).
+the retained queue iff it has an unexpired retention (retention.py), else in the eviction
+policy's queues (eviction.py); a (group, hash) maps to at most one block and only blocks
+carrying that hash in that group are mapped ("stored once"); the parent index holds exactly the
+mapped blocks, each under its (group, parent hash).
 Groups are the layout's attention-type groups sharing one pool (a hybrid model); a plain model
 has only group 0. Events speak for group 0 only: its blocks are what a prefix hit needs first.
 """
@@ -12,59 +12,23 @@ has only group 0. Events speak for group 0 only: its blocks are what a prefix hi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
+from kvmemo.kv.block import Block
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvmemo.kv.free_queue import FreeBlockQueue, FreeQueueNode
+from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy, make_eviction_policy
+from kvmemo.kv.free_queue import FreeBlockQueue
 from kvmemo.kv.hashing import BlockHash, ExtraKeys
 from kvmemo.kv.miss_ledger import MissLedger
 from kvmemo.kv.retention import RetentionLedger
 
 
-@dataclass(slots=True, eq=False)
-class Block(FreeQueueNode):
-    """One KV page. The committed fields are set together, once, by commit (see set_committed)."""
-
-    block_id: int
-    ref_count: int = 0
-    block_hash: BlockHash | None = None
-    parent_hash: BlockHash | None = None  # committed: hash of the previous block (or the root)
-    token_ids: tuple[int, ...] | None = None  # committed: the tokens, to verify hits
-    extra_keys: ExtraKeys | None = None  # committed: the extra keys, to verify hits
-    group: int = 0  # committed: the layer group whose KV the block holds (the map key's part)
-    retained_until: float = 0.0  # a hashed block's retention expiry (the ledger's clock); 0: none
-    retained_by: str | None = None  # the retention's owner (a cache_salt), while retained
-    retention_lapsed: bool = False  # its retention ran out (a miss cause once it is evicted)
-
-    def set_committed(
-        self,
-        block_hash: BlockHash,
-        parent_hash: BlockHash,
-        token_ids: tuple[int, ...],
-        extra_keys: ExtraKeys,
-        group: int = 0,
-    ) -> None:
-        """Assigns the hash and what it covers; a block is hashed at most once until evicted."""
-        assert self.block_hash is None, f"block {self.block_id} already has a hash"
-        self.group = group
-        self.block_hash = block_hash
-        self.parent_hash = parent_hash
-        self.token_ids = token_ids
-        self.extra_keys = extra_keys
-
-    def reset_hash(self) -> None:
-        self.block_hash = self.parent_hash = self.token_ids = self.extra_keys = None
-        self.group = 0
-        self.retention_lapsed = False
-
-
 class BlockPool:
-    """Owns all blocks, the LRU free queue, the hash -> block map, the parent index and events.
+    """Owns all blocks, the free queues, the hash -> block map, the parent index and events.
 
     All num_blocks blocks are usable (no reserved null block). The pool knows nothing about
     requests: the manager decides which blocks to touch, commit, retain and free, and in what
-    order. Eviction takes the LRU queue's head, and a retained block only when that queue is
-    empty.
+    order. Eviction takes the eviction policy's next victim (`eviction_policy`, a name in
+    eviction.EVICTION_POLICIES), and a retained block only when the policy holds none.
     """
 
     def __init__(
@@ -73,6 +37,7 @@ class BlockPool:
         enable_caching: bool = True,
         enable_events: bool = False,
         clock: Callable[[], float] | None = None,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
     ):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
@@ -80,9 +45,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        self._free_queue: FreeBlockQueue[Block] = FreeBlockQueue(self.blocks)
+        self._free_queue: EvictionPolicy = make_eviction_policy(eviction_policy, self.blocks)
         # Free blocks under an unexpired retention, least recently freed first: evicted only
-        # when the LRU queue is empty.
+        # when the policy's queues are empty.
         self._retained_free: FreeBlockQueue[Block] = FreeBlockQueue()
         self.retention = RetentionLedger(clock) if clock else RetentionLedger()
         # What explaining a miss needs (miss_causes.py): about 200 bytes an entry, so bounded
@@ -112,7 +77,11 @@ class BlockPool:
         """Free blocks under retention (evicted only after every other free block)."""
         return len(self._retained_free)
 
-    def _queue_of(self, block: Block) -> FreeBlockQueue[Block]:
+    @property
+    def eviction_policy(self) -> str:
+        return self._free_queue.name
+
+    def _queue_of(self, block: Block) -> EvictionPolicy | FreeBlockQueue[Block]:
         return self._retained_free if block.retained_until else self._free_queue
 
     def _pop_free(self) -> Block:
@@ -190,11 +159,13 @@ class BlockPool:
                 self._events.append(BlockRemoved(block_hashes=(block_hash,)))
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Takes hit blocks: ref_count += 1; a free one leaves the free queue (not evictable)."""
+        """Takes hit blocks: ref_count += 1, reuses += 1; a free one leaves the free queue (not
+        evictable)."""
         for block in blocks:
             if block.ref_count == 0:
                 self._queue_of(block).remove(block)
             block.ref_count += 1
+            block.reuses += 1
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[Block]) -> None:
         """Drops one reference from each block; blocks reaching 0 join the free-queue tail in order.
@@ -249,6 +220,7 @@ class BlockPool:
         block.set_committed(block_hash, parent_hash, token_ids, extra_keys, group)
         self._cached[(group, block_hash)] = block
         self._children.setdefault((group, parent_hash), {})[block.block_id] = block
+        self._free_queue.note_commit((group, block_hash), block)
         self.num_stored_blocks += group == 0
         if self.enable_events and group == 0:
             self._events.append(
@@ -280,6 +252,7 @@ class BlockPool:
         self.retention.clear()
         self.misses.clear()
         self._cached.clear()
+        self._free_queue.clear_history()
         self._children.clear()
         if self.enable_events:
             self._events.append(AllBlocksCleared())

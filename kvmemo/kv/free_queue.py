@@ -50,6 +50,11 @@ class FreeBlockQueue(Generic[NodeT]):
         self.remove(node)  # type: ignore[arg-type]
         return node  # type: ignore[return-value]
 
+    def peek(self) -> NodeT | None:
+        """The head (next to evict), left in place; None when empty."""
+        node = self._head.next_free
+        return None if node is self._tail else node  # type: ignore[return-value]
+
     def append(self, node: NodeT) -> None:
         """Adds `node` at the tail (most recently freed)."""
         last = self._tail.prev_free

@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvmemo.kv.block_pool import Block, BlockPool
+from kvmemo.kv.block import Block
+from kvmemo.kv.block_pool import BlockPool
 from kvmemo.kv.events import KVEvent
+from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY
 from kvmemo.kv.hashing import BlockHash
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.manager import KVCacheManager
@@ -38,12 +40,15 @@ class HybridKVCacheManager:
         enable_caching: bool = True,
         enable_partial_reuse: bool = True,
         enable_events: bool = False,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = layout.num_blocks
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(layout.num_blocks, enable_caching, enable_events)
+        self.block_pool = BlockPool(
+            layout.num_blocks, enable_caching, enable_events, eviction_policy=eviction_policy
+        )
         self.groups = [
             KVCacheManager(
                 layout,

@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvmemo.kv.block_pool import Block, BlockPool
+from kvmemo.kv.block import Block
+from kvmemo.kv.block_pool import BlockPool
 from kvmemo.kv.events import KVEvent
+from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY
 from kvmemo.kv.hashing import BlockHash, extra_keys_for_range
 from kvmemo.kv.layout import KVLayout
 from kvmemo.kv.match import BlockCopy, BlockIds, PrefixCacheStats, PrefixMatch
@@ -49,6 +51,7 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
         enable_events: bool = False,
         group: int = 0,
         block_pool: BlockPool | None = None,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
@@ -58,7 +61,9 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
         self.group = group
         # Tokens a query sees back from itself in this group's layers; None: the whole context.
         self.window = layout.groups[group].sliding_window
-        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, enable_events)
+        self.block_pool = block_pool or BlockPool(
+            num_blocks, enable_caching, enable_events, eviction_policy=eviction_policy
+        )
         # Parent hashes and extra keys of blocks; requests extend their own block hashes.
         self._hasher = layout.new_hasher()
         self._requests: dict[str, RequestBlocks] = {}

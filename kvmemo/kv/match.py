@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kvmemo.kv.block_pool import Block
+from kvmemo.kv.block import Block
 from kvmemo.kv.hashing import BlockHash
 
 # A block's id, or for a hybrid layout (kv/hybrid.py: layer groups with their own blocks) one

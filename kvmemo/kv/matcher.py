@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvmemo.kv.block_pool import Block, BlockPool
+from kvmemo.kv.block import Block
+from kvmemo.kv.block_pool import BlockPool
 from kvmemo.kv.hashing import BlockHash, ExtraKeys, RequestHasher, extra_keys_for_range
 from kvmemo.kv.layout import first_window_block
 from kvmemo.kv.match import NO_MATCH, PartialMatch, PrefixMatch

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvmemo.kv.block_pool import Block
+from kvmemo.kv.block import Block
 from kvmemo.kv.hashing import BlockHash, ExtraKeys
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from kvmemo import LLM, SamplingParams
 from kvmemo.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmemo.kv.eviction import EVICTION_POLICIES
 from tests.helpers import assert_all_blocks_free
 
 pytestmark = pytest.mark.model
@@ -92,8 +93,9 @@ def test_requests_arriving_mid_decode(llm, cold):
     assert all(o.metrics.num_cached_tokens > 0 for o in warm[1:])
 
 
-def test_small_cache_forces_evictions_and_output_stays_identical(cold):
-    small = LLM(num_blocks=24)
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_small_cache_forces_evictions_and_output_stays_identical(cold, policy):
+    small = LLM(num_blocks=14, eviction_policy=policy)
     outs = []
     for conversation in conversations()[:8]:  # one at a time: each evicts older blocks
         outs += small.chat([conversation[1]] if len(outs) % 2 else conversation, GREEDY, use_tqdm=False)

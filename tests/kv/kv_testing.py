@@ -34,8 +34,13 @@ def make_hasher(block_size: int = 4, algorithm: str = "sha256") -> RequestHasher
     return make_layout(block_size=block_size, algorithm=algorithm).new_hasher()
 
 
-def make_manager(num_blocks: int = 10, block_size: int = 4, **kwargs: bool) -> KVCacheManager:
-    return KVCacheManager(make_layout(num_blocks, block_size), **kwargs)
+def make_manager(
+    num_blocks: int = 10, block_size: int = 4, eviction_policy: str = "lru", **kwargs: bool
+) -> KVCacheManager:
+    """A manager over a small pool; LRU unless asked (the story tests spell out LRU's order)."""
+    return KVCacheManager(
+        make_layout(num_blocks, block_size), eviction_policy=eviction_policy, **kwargs
+    )
 
 
 def make_request(

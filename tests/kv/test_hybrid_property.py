@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvmemo.kv.eviction import EVICTION_POLICIES
 from kvmemo.kv.hybrid import HybridKVCacheManager
 from kvmemo.kv.layout import KVGroup
 from kvmemo.kv.match import PrefixMatch
@@ -39,12 +40,17 @@ def first_visible(position: int) -> int:
 class HybridMachine(RuleBasedStateMachine):
     manager: HybridKVCacheManager
 
-    @initialize(num_blocks=st.integers(12, 40), enable_partial_reuse=st.booleans())
-    def setup(self, num_blocks: int, enable_partial_reuse: bool) -> None:
+    @initialize(
+        num_blocks=st.integers(12, 40),
+        enable_partial_reuse=st.booleans(),
+        policy=st.sampled_from(EVICTION_POLICIES),
+    )
+    def setup(self, num_blocks: int, enable_partial_reuse: bool, policy: str) -> None:
         layout = make_layout(num_blocks, BLOCK_SIZE)
         layout = type(layout)(**{**{f: getattr(layout, f) for f in layout.__slots__}, "groups": GROUPS})
         self.manager = HybridKVCacheManager(
-            layout, enable_partial_reuse=enable_partial_reuse, enable_events=True
+            layout, enable_partial_reuse=enable_partial_reuse, enable_events=True,
+            eviction_policy=policy,
         )
         # One simulated page per (group, block id): a block may change groups when reused.
         self.device: dict[tuple[int, int], list[Identity | None]] = {}

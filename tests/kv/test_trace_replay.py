@@ -11,7 +11,7 @@ from collections import deque
 import pytest
 
 from benchmarks.traces.replay import belady, main, replay_pool, unlimited
-from benchmarks.traces.trace import TraceRequest, read_mooncake
+from benchmarks.traces.trace import TraceRequest, read_mooncake, read_trace
 
 BLOCK = 4  # tokens per block in the generated trace
 
@@ -98,3 +98,29 @@ def test_the_cli_reads_a_mooncake_file(tmp_path, capsys) -> None:
     path.write_text('{"timestamp": 0}\n')
     with pytest.raises(ValueError, match="trace.jsonl:1: not a Mooncake trace line"):
         read_mooncake(path)
+
+
+def test_the_cli_reads_an_alibaba_file_in_its_own_block_size(tmp_path, capsys) -> None:
+    requests = generated_trace(60, seed=2)
+    rows = []
+    for i, r in enumerate(requests):
+        parent = next((j for j in range(i - 1, -1, -1)
+                       if requests[j].hash_ids[0] == r.hash_ids[0]), -1)
+        rows.append({"chat_id": i, "parent_chat_id": parent, "timestamp": i * 0.5,
+                     "input_length": r.input_length * 4, "output_length": 2, "type": "text",
+                     "turn": 1 if parent < 0 else 2, "hash_ids": list(r.hash_ids)})
+    path = tmp_path / "bailian.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    fmt, read = read_trace(path)
+    assert fmt == "alibaba" and read[3].timestamp_ms == 1500.0 and read[3].kind == "text"
+    assert [r.hash_ids for r in read] == [r.hash_ids for r in requests]
+    assert main([str(path), "--capacity-tokens", str(20 * 16), "--policy", "lru", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "alibaba" and report["block_tokens"] == 16
+    assert report["capacity_blocks"] == 20
+    fitting = [r for r in read if len(r.hash_ids) <= 20]
+    hits = replay_pool(fitting, 20, 16).per_request_hit_blocks
+    assert hits == reference_lru(fitting, 20)
+    path.write_text('{"chat_id": 0, "parent_chat_id": -1, "timestamp": 0}\n')
+    with pytest.raises(ValueError, match="bailian.jsonl:1: not an Alibaba trace line"):
+        read_trace(path)

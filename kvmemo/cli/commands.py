@@ -53,7 +53,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         metrics, causes = out.metrics, out.metrics.uncached_tokens_by_cause or {}
         print(f"prompt: {metrics.num_prompt_tokens} tokens, {metrics.num_cached_tokens} from the "
-              "cache; computed: " + (", ".join(f"{n} {c}" for c, n in causes.items()) or "none"),
+              "cache; computed: " + (", ".join(
+                  f"{n} {c}" + (f" (by {llm.config.eviction_policy})" if c == "evicted" else "")
+                  for c, n in causes.items()) or "none"),
               file=sys.stderr)
         if llm.config.speculative_config is not None:
             drafted, kept = out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens

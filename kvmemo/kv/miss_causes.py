@@ -80,7 +80,7 @@ def explain_misses(kv: AnyKVCacheManager, request: Request, num_cached: int) -> 
         if found:  # the prompt leaves a cached chain in its last, partial block
             diverged_at = found[0]
         add("template_drift" if found and found[1] else "partial_tail", tail)
-    report = MissReport(tokens, diverged_at)
+    report = MissReport(tokens, diverged_at, pool.eviction_policy)
     pool.misses.record(report)
     return report
 

@@ -19,7 +19,6 @@ from kvmemo.kv.hashing import BlockHash
 
 CAUSES = ("cache_skipped", "last_token", "evicted", "expired_retention", "template_drift",
           "diverged", "other_salt", "never_seen", "partial_tail")
-EVICTION_POLICY = "lru"  # the pool's, named with every `evicted` count
 _MAX_SIBLINGS = 64  # cached blocks compared when looking for where a prompt diverged
 
 
@@ -30,7 +29,7 @@ class MissReport:
 
     tokens: dict[str, int] = field(default_factory=dict)
     diverged_at: int | None = None  # token index, for a `diverged` miss
-    eviction_policy: str = EVICTION_POLICY
+    eviction_policy: str = "lru"  # the pool's (eviction.py), which the `evicted` count names
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from kvmemo.kv.eviction import EVICTION_POLICIES
 from kvmemo.kv.manager import KVCacheManager
 from kvmemo.kv.miss_causes import explain_misses
 from kvmemo.kv.miss_ledger import CAUSES, MissReport
@@ -51,12 +54,14 @@ def test_the_same_prompt_again_computes_only_its_last_token() -> None:
     assert _serve(manager, make_request("b", A)).tokens == {"last_token": 1}
 
 
-def test_a_flooded_prefix_was_evicted() -> None:
-    manager = make_manager()
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_a_flooded_prefix_was_evicted(policy: str) -> None:
+    manager = make_manager(eviction_policy=policy)
     _serve(manager, make_request("a", A))
     _flood(manager)
     report = _serve(manager, make_request("b", A + [77, 78]))
     assert report.tokens == {"evicted": 12, "partial_tail": 2}
+    assert report.eviction_policy == policy
 
 
 def test_a_prefix_whose_retention_ran_out_says_so() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemo.attention.names import ATTENTION_BACKENDS
+from kvmemo.connector.admission import STORE_ADMISSIONS
 from kvmemo.connector.spec import parse_kv_stores
 from kvmemo.intake.segments import KV_REUSE_MODES
 from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
@@ -84,6 +85,9 @@ class EngineConfig:
     # persistent KV store(s): "disk:/path?capacity=20GiB", "redis://host:6379/0", or a list of
     # them (tiers, looked up in order, saved to all); None = off
     kv_store: str | tuple[str, ...] | None = None
+    # Which committed blocks the store writes (connector/admission.py): "all", or "reused" (only
+    # blocks seen twice: fewer bytes per hit for a store under pressure, fewer hits with room)
+    kv_store_admission: str = "all"
     encoder_cache_memory: str | int = "256MiB"  # image features by content hash (LLaVA models)
     # A Jinja chat template (its text) replacing the model's own, as vLLM's --chat-template
     chat_template: str | None = None
@@ -117,6 +121,7 @@ class EngineConfig:
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("prefix_cache_hash", self.prefix_cache_hash, HASH_ALGORITHMS)
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("kv_store_admission", self.kv_store_admission, STORE_ADMISSIONS)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(
                 f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}"

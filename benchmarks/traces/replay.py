@@ -31,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from benchmarks.traces.store_tier import ADMISSIONS, StoreTier
 from benchmarks.traces.trace import BLOCK_TOKENS, TRACE_FORMATS, TraceRequest, read_trace
 from kvmemo.kv.block import Block
 from kvmemo.kv.block_pool import BlockPool
@@ -52,6 +53,7 @@ class ReplayResult:
     prompt_blocks: int = 0
     hit_blocks: int = 0
     evicted_blocks: int = 0
+    store_hit_tokens: int = 0  # read from the store tier after the device hit
     per_request_hit_blocks: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -62,12 +64,14 @@ class ReplayResult:
     def block_hit_ratio(self) -> float:
         return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
 
-    def record(self, request: TraceRequest, hits: int) -> None:
+    def record(self, request: TraceRequest, hits: int, store_hits: int = 0) -> None:
         self.num_requests += 1
         self.prompt_tokens += request.input_length
         self.prompt_blocks += len(request.hash_ids)
         self.hit_blocks += hits
         self.hit_tokens += sum(request.block_tokens(i, self.block_tokens) for i in range(hits))
+        self.store_hit_tokens += sum(request.block_tokens(i, self.block_tokens)
+                                     for i in range(hits, hits + store_hits))
         self.per_request_hit_blocks.append(hits)
 
 
@@ -77,9 +81,10 @@ def block_hash(hash_id: int) -> BlockHash:
 
 def replay_pool(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int = 512,
                 decode_ms_per_token: float = 0.0, policy: str = "lru",
-                check_every: int = 0) -> ReplayResult:
-    """The trace through a BlockPool of capacity_blocks blocks; check_every > 0 runs the pool's
-    invariant checker after every that many requests (tests)."""
+                check_every: int = 0, store: StoreTier | None = None) -> ReplayResult:
+    """The trace through a BlockPool of capacity_blocks blocks (and a store tier behind it, if
+    given); check_every > 0 runs the pool's invariant checker after every that many requests
+    (tests)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
     pool = BlockPool(capacity_blocks, enable_caching=True, eviction_policy=policy)
@@ -108,7 +113,13 @@ def replay_pool(requests: Sequence[TraceRequest], capacity_blocks: int, block_to
             own = block_hash(hash_id)
             pool.commit_block(block, own, parent, (), ())
             parent = own
-        result.record(request, len(hits))
+        store_hits = 0
+        if store is not None:
+            ids = request.hash_ids
+            store.device_hits(ids[:len(hits)])
+            store_hits = store.read_run(ids[len(hits):])
+            store.computed(ids[len(hits) + store_hits:])
+        result.record(request, len(hits), store_hits)
         blocks = hits + new
         end = now + request.output_length * decode_ms_per_token
         if decode_ms_per_token > 0:
@@ -195,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="model requests in flight: each holds its blocks for output_length "
                         "x this many ms after its timestamp (default 0: freed at once)")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument("--store-capacity-tokens", type=int, default=0,
+                        help="a persistent store tier behind the pool (store_tier.py); 0: none")
+    parser.add_argument("--store-admission", default="all", choices=ADMISSIONS,
+                        help="what the store writes: every computed block (kvmemo's connector "
+                        "today), or only blocks seen twice")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     fmt, requests = read_trace(args.trace, args.format, args.limit)
@@ -204,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--capacity-tokens must hold at least one block of --block-tokens (>= 1)")
     capacity = args.capacity_tokens // args.block_tokens
     start = time.perf_counter()
+    store = (StoreTier(args.store_capacity_tokens // args.block_tokens, args.store_admission)
+             if args.store_capacity_tokens else None)
     pool = replay_pool(requests, capacity, args.block_tokens, args.decode_ms_per_token,
-                       args.policy)
+                       args.policy, store=store)
     seconds = time.perf_counter() - start
     best = belady(requests, capacity, args.block_tokens)
     ceiling = unlimited(requests, args.block_tokens)
@@ -218,6 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         "unlimited_hit_ratio": round(ceiling.hit_ratio, 4),
         "evicted_blocks": pool.evicted_blocks, "replay_s": round(seconds, 3),
     }
+    if store is not None:
+        written = store.counters.written_blocks * args.block_tokens
+        report.update({
+            "store_capacity_tokens": args.store_capacity_tokens,
+            "store_admission": args.store_admission,
+            "store_hit_ratio": round(pool.store_hit_tokens / max(pool.prompt_tokens, 1), 4),
+            "total_hit_ratio": round((pool.hit_tokens + pool.store_hit_tokens)
+                                     / max(pool.prompt_tokens, 1), 4),
+            "store_written_tokens": written,
+            "store_written_per_hit_token": round(written / max(pool.store_hit_tokens, 1), 2),
+        })
     if args.json:
         print(json.dumps(report))
     else:

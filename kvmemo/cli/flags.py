@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kvmemo.config import EngineConfig
+from kvmemo.connector.admission import STORE_ADMISSIONS
 from kvmemo.kv.eviction import EVICTION_POLICIES
 
 
@@ -111,6 +112,12 @@ def add_engine_flags(
         help="persistent KV block store, e.g. disk:/data/kv?capacity=20GiB or "
         "redis://host:6379/0?timeout=0.5; repeat it for tiers, looked up in the order given and "
         "saved to all (default: off)",
+    )
+    g.add_argument(
+        "--kv-store-admission", choices=STORE_ADMISSIONS, default=EngineConfig.kv_store_admission,
+        help="which committed blocks the KV store writes: all, or reused (only blocks hit in the "
+        "pool or computed a second time: fewer bytes written, fewer store hits when the store "
+        f"has room) (default: {EngineConfig.kv_store_admission})",
     )
     g.add_argument(
         "-v", "--verbose", action="store_true",
@@ -231,6 +238,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         max_retained_tokens=args.max_retained_tokens,
         # One --kv-store stays a string; several are tiers, in the order given.
         kv_store=args.kv_store[0] if args.kv_store and len(args.kv_store) == 1 else args.kv_store,
+        kv_store_admission=args.kv_store_admission,
         chat_template=text_or_file(args.chat_template),
         kv_reuse=args.kv_reuse,
         blend_recompute_ratio=args.blend_recompute_ratio,

@@ -23,8 +23,9 @@ Scheduler side (called by the Scheduler, engine thread):
     build_connector_meta() -> ConnectorMetadata
         The step's loads (block_hash, block_id, payload); clears the scheduler-side state.
     blocks_to_save(events, lookup) -> list[(block_hash, block_id)]
-        Committed blocks (from BlockStored events) the store does not have yet; lookup gives a
-        hash's block id(s) on the device, or None.
+        Committed blocks (from BlockStored events) that the store's admission takes
+        (admission.py) and it does not have yet; lookup gives a hash's block id(s) on the
+        device, or None.
 
 A block id is a BlockIds: an int, or for a hybrid layout (layer groups with their own blocks,
 kv/hybrid.py) one id per group, each layer's K/V living in its group's block. A payload always

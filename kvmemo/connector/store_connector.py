@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvmemo.connector.admission import StoreAdmission
 from kvmemo.connector.base import (
     BlockIds,
     BlockLoad,
@@ -68,8 +69,10 @@ class _Match:
 class StoreKVConnector(KVConnector):
     """Owns the step's pending loads and the load/save counters; the store owns the bytes."""
 
-    def __init__(self, store: BlockStore, namespace: StoreNamespace, block_size: int):
+    def __init__(self, store: BlockStore, namespace: StoreNamespace, block_size: int,
+                 admission: StoreAdmission | None = None):
         self.store = store
+        self.admission = admission or StoreAdmission()
         self.namespace = namespace
         self.block_size = block_size
         self.kv_cache: PagedKVCache | None = None
@@ -96,6 +99,7 @@ class StoreKVConnector(KVConnector):
         start = time.perf_counter()
         size = self.block_size
         first = num_computed_tokens // size
+        self.admission.note_device_hits(request.block_hashes[:first])
         last = (len(request.all_token_ids) - 1) // size  # the last token is always computed
         loads: list[tuple[BlockHash, bytes]] = []
         wanted = request.block_hashes[first:last]
@@ -149,15 +153,20 @@ class StoreKVConnector(KVConnector):
     def blocks_to_save(
         self, events: Sequence[KVEvent], lookup: Callable[[BlockHash], BlockIds | None]
     ) -> list[tuple[BlockHash, BlockIds]]:
-        """Blocks that entered the device map (BlockStored) and are not in the store yet."""
+        """Blocks that entered the device map (BlockStored) and the admission writes, then blocks
+        hit on the device that it writes now (admission.py), none already in the store; each
+        step's in reverse, so a chain's head is written last and a store evicting its least
+        recently written keeps it longest (tail first within a chain)."""
+        candidates = [block_hash for event in events if isinstance(event, BlockStored)
+                      for block_hash in event.block_hashes
+                      if self.admission.admit_committed(block_hash)]
+        candidates += self.admission.take_reused()
         out: list[tuple[BlockHash, BlockIds]] = []
-        for event in events:
-            if not isinstance(event, BlockStored):
-                continue
-            for block_hash in event.block_hashes:
-                block_ids = lookup(block_hash)
-                if block_ids is not None and not self.store.contains(block_hash):
-                    out.append((block_hash, block_ids))
+        for block_hash in dict.fromkeys(candidates):
+            block_ids = lookup(block_hash)
+            if block_ids is not None and not self.store.contains(block_hash):
+                out.append((block_hash, block_ids))
+        out.reverse()
         return out
 
     # ---- worker side -----------------------------------------------------------------------

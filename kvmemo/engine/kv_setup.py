@@ -133,6 +133,7 @@ def build_kv_connector(
     """The connector over config.kv_store's tiers (None when no store is configured)."""
     if config.kv_store is None:
         return None
+    from kvmemo.connector.admission import StoreAdmission
     from kvmemo.connector.spec import parse_kv_stores
     from kvmemo.connector.store_connector import namespace_for
 
@@ -159,4 +160,6 @@ def build_kv_connector(
             )
     # One store is used as is (its own type stays visible); several become one TieredStore.
     store: BlockStore = tiers[0][1] if len(tiers) == 1 else TieredStore(tiers)
-    return StoreKVConnector(store, namespace, layout.block_size)
+    # The doorkeeper remembers as many committed blocks as the pool's eviction ghosts do.
+    admission = StoreAdmission(config.kv_store_admission, 4 * layout.num_blocks)
+    return StoreKVConnector(store, namespace, layout.block_size, admission)

@@ -248,3 +248,37 @@ def test_concurrent_requests_read_a_stored_prefix_once(store_llm, reference):
     alone = [store_llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
     store_llm.engine.kv_manager.check_invariants()
+
+
+def test_reused_admission_writes_a_prompt_only_once_it_is_seen_twice(tmp_path, reference):
+    """kv_store_admission="reused": a prompt computed once is not written; hit again on the
+    device, its blocks are; computed again after the device forgot them, too. A fresh engine on
+    the store then loads them and answers as the uncached reference."""
+    from kvmemo import LLM
+
+    store_dir = tmp_path / "kv"
+    llm = LLM(num_blocks=128, device="cpu", kv_store=f"disk:{store_dir}",
+              kv_store_admission="reused")
+    first = _generate(llm)
+    hashes = _block_hashes(llm, first.prompt_token_ids)
+    assert hashes and not any(_store(llm).path_of(h).is_file() for h in hashes)
+    assert llm.get_metrics().store_bytes_written == 0
+    _generate(llm)  # a device hit proves the reuse
+    assert all(_store(llm).path_of(h).is_file() for h in hashes)
+
+    other = "A different prompt, long enough to fill a few blocks of sixteen tokens each. " * 4
+    llm2 = LLM(num_blocks=128, device="cpu", kv_store=f"disk:{tmp_path / 'kv2'}",
+               kv_store_admission="reused")
+    out = _generate(llm2, other)
+    other_hashes = _block_hashes(llm2, out.prompt_token_ids)
+    _fresh_device_cache(llm2)
+    assert not any(_store(llm2).path_of(h).is_file() for h in other_hashes)
+    _generate(llm2, other)  # computed a second time: the doorkeeper remembers the first
+    assert all(_store(llm2).path_of(h).is_file() for h in other_hashes)
+
+    fresh = LLM(num_blocks=128, device="cpu", kv_store=f"disk:{store_dir}")
+    loaded = _generate(fresh)
+    assert loaded.metrics.num_cached_tokens == 0  # the device pool of a new engine is empty
+    n = loaded.metrics.num_prompt_tokens
+    assert fresh.get_metrics().store_hit_tokens == (n - 1) // BLOCK * BLOCK
+    assert loaded.outputs[0].token_ids == reference.outputs[0].token_ids

@@ -11,6 +11,7 @@ from collections import deque
 import pytest
 
 from benchmarks.traces.replay import belady, main, replay_pool, unlimited
+from benchmarks.traces.store_tier import StoreTier
 from benchmarks.traces.trace import TraceRequest, read_mooncake, read_trace
 
 BLOCK = 4  # tokens per block in the generated trace
@@ -124,3 +125,27 @@ def test_the_cli_reads_an_alibaba_file_in_its_own_block_size(tmp_path, capsys) -
     path.write_text('{"chat_id": 0, "parent_chat_id": -1, "timestamp": 0}\n')
     with pytest.raises(ValueError, match="bailian.jsonl:1: not an Alibaba trace line"):
         read_trace(path)
+
+
+def test_a_store_tier_serves_what_the_pool_evicted_and_admission_writes_less() -> None:
+    # A 2-block prefix, a flood past the 8-block pool, the prefix again; then one-offs only.
+    prefix = TraceRequest(0.0, 3 * BLOCK, 1, (0, 1, 2))
+    flood = [TraceRequest(0.0, 4 * BLOCK, 1, tuple(range(10 + 4 * i, 14 + 4 * i)))
+             for i in range(4)]
+    again = TraceRequest(0.0, 3 * BLOCK, 1, (0, 1, 3))
+    requests = [prefix, *flood, again]
+    plain = replay_pool(requests, 8, BLOCK, policy="lru")
+    assert plain.per_request_hit_blocks[-1] == 0 and plain.store_hit_tokens == 0
+    store = StoreTier(100, "all")
+    tiered = replay_pool(requests, 8, BLOCK, policy="lru", store=store)
+    assert tiered.store_hit_tokens == 2 * BLOCK  # blocks 0 and 1 came back from the store
+    assert store.counters.written_blocks == 3 + 16 + 1
+    reused = StoreTier(100, "reused")
+    replay_pool(requests, 8, BLOCK, policy="lru", store=reused)
+    assert reused.counters.written_blocks == 2  # only the recomputed prefix
+    assert reused.counters.read_blocks == 0
+    # A full store drops its least recently used blocks, a chain's tail before its head.
+    small = StoreTier(3, "all")
+    small.computed([0, 1, 2])
+    small.computed([5])
+    assert small.read_run([0, 1]) == 2 and small.read_run([2]) == 0

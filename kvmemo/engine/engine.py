@@ -353,12 +353,12 @@ class Engine:
         if not self.config.enable_kv_events and self.kv_connector is None:
             return
         events = self.kv_manager.take_events()
-        if not events:
-            return
-        if self.kv_connector is not None:
+        if self.kv_connector is not None:  # even without events: device hits may be written
             lookup = self.kv_manager.cached_block_ids
-            self.kv_connector.save_blocks(self.kv_connector.blocks_to_save(events, lookup))
-        if self.config.enable_kv_events:
+            saves = self.kv_connector.blocks_to_save(events, lookup)
+            if saves:
+                self.kv_connector.save_blocks(saves)
+        if self.config.enable_kv_events and events:
             for callback in self._kv_event_subscribers:
                 callback(events)
 

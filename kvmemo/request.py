@@ -77,6 +77,9 @@ class Request:
     cache_salt: str | None = None
     # Prompt prefixes to keep cached for a while after the request ends (kv/retention.py)
     retention: tuple[Retention, ...] = ()
+    # vLLM's priority (lower is more important, 0 by default); above 0, the blocks only this
+    # request used are evicted before any other free block when it ends (kv/block_pool.py)
+    priority: int = 0
     # Why its uncached prompt tokens were computed (kv/miss_causes.py), at first schedule
     miss_report: MissReport | None = None
     token_keys: list[bytes] = field(default_factory=list)  # its blocks' keys over tokens alone

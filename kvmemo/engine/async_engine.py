@@ -47,6 +47,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     retention: tuple[Retention, ...]
+    priority: int
     fill_context: bool  # max_tokens = whatever context the prompt leaves
     echo: bool  # the stream needs the prompt as text
     stream: RequestStream
@@ -129,6 +130,7 @@ class AsyncEngine:
         *,
         cache_salt: str | None = None,
         retention: tuple[Retention, ...] = (),
+        priority: int = 0,
         request_id: str | None = None,
         echo: bool = False,
         fill_context: bool = False,
@@ -138,7 +140,8 @@ class AsyncEngine:
         inputs: the prompt, chat or segments and the options that shape its tokens (the
         engine thread hands it to InputProcessor.process). Raises ValueError (bad prompt, too
         long, bad cache_salt, retention past its quota), QueueFullError or EngineDeadError.
-        retention: prompt prefixes kept cached after it ends (kv/retention.py). echo: the stream's
+        retention: prompt prefixes kept cached after it ends (kv/retention.py). priority: vLLM's;
+        above 0, its own blocks are evicted first when it ends. echo: the stream's
         prompt_text holds the prompt as text (decoded, for a token-id prompt). fill_context:
         max_tokens is whatever context the prompt leaves.
         """
@@ -149,8 +152,8 @@ class AsyncEngine:
         stream = RequestStream(self._abort, request_id, params.n, loop)
         done = loop.create_future()
         self._submit(
-            _Add(request_id, inputs, params, cache_salt, tuple(retention), fill_context, echo,
-                 stream, done)
+            _Add(request_id, inputs, params, cache_salt, tuple(retention), priority, fill_context,
+                 echo, stream, done)
         )
         try:
             await done
@@ -327,6 +330,7 @@ class AsyncEngine:
             [(sequence_id, prompt, sample) for sequence_id, sample in samples],
             cache_salt=command.cache_salt,
             retention=command.retention,
+            priority=command.priority,
         )
         for j, (sequence_id, _) in enumerate(samples):
             self._sequences[sequence_id] = _Sequence(

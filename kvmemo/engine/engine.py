@@ -71,12 +71,14 @@ class Engine:
         *,
         cache_salt: str | None = None,
         retention: tuple[Retention, ...] = (),
+        priority: int = 0,
     ) -> None:
         """Validate and queue one sequence (params.n must be 1: see add_requests).
 
         retention: prompt prefixes kept cached after the request ends (kv/retention.py);
         InputError (param "retention") if they would take the cache_salt past its quota.
-        Blended requests ignore it."""
+        Blended requests ignore it. priority: vLLM's (lower is more important); above 0, the
+        blocks only this request used go first when the pool needs room."""
         if params.n != 1:
             raise ValueError("add_request runs one sequence; add params.per_sample() instead")
         vocab = self.processor.vocab_size
@@ -99,6 +101,7 @@ class Engine:
             request = self._new_request(request_id, prompt, params, cache_salt)
             request.constraint = constraint
             request.retention = tuple(retention)
+            request.priority = priority
             self.kv_manager.check_retention(request)
             self.scheduler.add_request(request)
         self.outputs.add(request, blended=blended)
@@ -159,6 +162,7 @@ class Engine:
         *,
         cache_salt: str | None = None,
         retention: tuple[Retention, ...] = (),
+        priority: int = 0,
     ) -> None:
         """Queue every (request_id, prompt, params) of `batch` (one-sample SamplingParams, or
         BeamSearchParams for a beam search), or none of them: if one is refused (its ValueError
@@ -170,7 +174,7 @@ class Engine:
                     self.add_beam_request(request_id, prompt, params, cache_salt=cache_salt)
                 else:
                     self.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                     retention=retention)
+                                     retention=retention, priority=priority)
                 added.append(request_id)
         except Exception:
             for request_id in added:

@@ -167,17 +167,26 @@ class BlockPool:
             block.ref_count += 1
             block.reuses += 1
 
-    def free_blocks(self, blocks_in_eviction_order: Iterable[Block]) -> None:
+    def free_blocks(self, blocks_in_eviction_order: Iterable[Block], evict_first: bool = False
+                    ) -> None:
         """Drops one reference from each block; blocks reaching 0 join the free-queue tail in order.
 
         Pass a request's blocks last-first, so its tail is evicted before its shareable head.
-        Freed blocks keep their hash (they stay hittable) until evicted.
+        Freed blocks keep their hash (they stay hittable) until evicted. evict_first (a request
+        of low priority): its unretained blocks that nobody else used (never hit) go to the
+        head instead, still tail first, to be evicted before any other free block.
         """
+        first: list[Block] = []
         for block in blocks_in_eviction_order:
             assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._queue_of(block).append(block)
+                if evict_first and not block.reuses and not block.retained_until:
+                    first.append(block)
+                else:
+                    self._queue_of(block).append(block)
+        for block in reversed(first):
+            self._free_queue.appendleft(block)
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
         """The block of `group` stored under `block_hash`, or None. Does not touch it."""

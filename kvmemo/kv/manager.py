@@ -378,7 +378,9 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
         """
         state = self._requests.pop(request.request_id, None)
         if state is not None:
-            self.block_pool.free_blocks(b for b in reversed(state.blocks) if b is not None)
+            self.block_pool.free_blocks(
+                (b for b in reversed(state.blocks) if b is not None), request.priority > 0
+            )
 
     # ---- beams: fork copy-on-write, publish only the winners -------------------------------
 

@@ -140,8 +140,10 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     # vLLM: logprobs name tokens "token_id:<id>" (for tokens that are not valid UTF-8 alone)
     return_tokens_as_token_ids: bool = False
-    # vLLM: scheduling priority. Accepted and, as under vLLM's default first-come-first-served
-    # policy, not used; request_id names the response (id "cmpl-<request_id>").
+    # vLLM: priority (lower is more important). Scheduling stays first-come-first-served, as
+    # under vLLM's default policy; above 0, the blocks only this request used are evicted
+    # before any other when the pool needs room (a batch job's prompts do not push out
+    # interactive prefixes). request_id names the response (id "cmpl-<request_id>").
     priority: int = 0
     request_id: str | None = Field(default=None, min_length=1, max_length=128)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

@@ -157,6 +157,7 @@ class OpenAIServing:
         )
         stream = await self.engine.add_request(
             params, inputs, cache_salt=body.cache_salt, retention=self.retention_of(body),
+            priority=body.priority,
             request_id=uuid.uuid4().hex[:24], echo=echo, fill_context=fill_context,
         )
         job = Job(stream, params.n, top_logprobs, echo=echo, echo_prefix=echo_prefix,

@@ -12,6 +12,7 @@ from benchmarks.traces.trace import TraceRequest
 from kvmemo.kv.block_pool import BlockPool
 from kvmemo.kv.eviction import EVICTION_POLICIES
 from kvmemo.kv.hashing import BlockHash
+from tests.kv.kv_testing import admit, finish_step, make_manager, make_request
 from tests.kv.test_trace_replay import BLOCK, generated_trace
 
 ROOT = BlockHash(b"root")
@@ -92,3 +93,31 @@ def test_a_reused_prefix_outlives_one_off_floods_where_lru_loses_it() -> None:
         if policy != "lru":
             assert hits[policy] >= 1.5 * hits["lru"], (policy, hits)
 
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+@pytest.mark.parametrize("batch_priority", [1, 0])
+def test_a_low_priority_request_leaves_its_own_blocks_first(policy: str, batch_priority: int
+                                                            ) -> None:
+    """A request of priority > 0 (vLLM's: less important) ends after a normal one: the cached
+    block only it used is the first evicted, before the normal request's older one; at
+    priority 0 (the control) the older block goes first. The shared prefix stays."""
+    manager = make_manager(12, 4, policy)
+    shared = list(range(100, 108))  # two full blocks
+    normal = make_request("normal", shared + [1, 2, 3, 4, 5])  # + one own full block
+    batch = make_request("batch", shared + [7, 8, 9, 10, 11])
+    batch.priority = batch_priority
+    for request in (normal, batch):
+        admit(manager, request)
+        finish_step(manager, request)
+    pool = manager.block_pool
+    normal_own = pool.blocks[manager.get_block_table("normal")[2]].block_hash
+    batch_own = pool.blocks[manager.get_block_table("batch")[2]].block_hash
+    manager.free(normal)
+    manager.free(batch)
+    evicted_before = pool.num_evicted_blocks
+    while pool.num_evicted_blocks == evicted_before:
+        pool.get_new_blocks(1)
+    assert (pool.get_cached_block(batch_own) is None) == (batch_priority > 0)
+    assert (pool.get_cached_block(normal_own) is None) == (batch_priority == 0)
+    assert all(pool.get_cached_block(h) is not None for h in normal.block_hashes[:2])

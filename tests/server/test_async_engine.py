@@ -74,7 +74,7 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_on_step = fail_on_step
 
-    def add_requests(self, batch, *, cache_salt=None, retention=()):
+    def add_requests(self, batch, *, cache_salt=None, retention=(), priority=0):
         for request_id, prompt, params in batch:
             if len(prompt.token_ids) > self.max_model_len:
                 raise ValueError("prompt is too long")

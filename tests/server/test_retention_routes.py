@@ -142,3 +142,27 @@ def test_a_breakpoint_keeps_only_the_prefix_up_to_its_block(server, claude, oai)
 
 def _total(usage) -> int:
     return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+def test_a_low_priority_flood_leaves_a_normal_prompt_cached(server, oai):
+    """vLLM's `priority` above 0 marks a request's own blocks to go first: a flood at priority 1
+    leaves an earlier prompt cached; the same flood at priority 0 (the control) evicts it."""
+    model = server.model_name()
+
+    def cached(prompt: str) -> int:
+        reply = oai.completions.create(model=model, max_tokens=1, temperature=0.0, prompt=prompt)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    def flood(tag: str, priority: int) -> None:
+        for i in range(8):
+            oai.completions.create(model=model, max_tokens=1, temperature=0.0,
+                                   prompt=f"{tag} {i}: " + _text(f"{tag}-{i}", 5),
+                                   extra_body={"priority": priority})
+
+    kept, lost = _text("kept-by-priority"), _text("lost-without-priority")
+    assert cached(kept) == 0
+    flood("batch-low", 1)
+    assert cached(kept) >= 64
+    assert cached(lost) == 0
+    flood("batch-normal", 0)
+    assert cached(lost) < 16

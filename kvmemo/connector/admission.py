@@ -5,8 +5,8 @@ Under "reused", a block is written when a request hits it in the device pool (it
 proven) or when it is committed a second time (the pool evicted it and it came back); a block
 committed once and never hit is not written. Why an option, not the default: on Mooncake's
 trace (docs/benchmarks.md) a store under pressure (5M tokens behind a 1M-token pool) keeps its
-hit ratio with "reused" (0.128 against 0.125) while writing 5.4x fewer bytes per hit token, but a
-store with room (20M and more) loses half its hits (0.136 against 0.275): a conversation's
+hit ratio with "reused" (0.104 against 0.105) while writing 5.3x fewer bytes per hit token, but
+a store with room (20M and more) loses half its hits (0.114 against 0.252): a conversation's
 second turn, the trace's most common reuse, finds its first turn only if it was written.
 
 Invariant: the doorkeeper remembers at most `doorkeeper_blocks` hashes, oldest forgotten first.

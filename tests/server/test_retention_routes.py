@@ -163,6 +163,6 @@ def test_a_low_priority_flood_leaves_a_normal_prompt_cached(server, oai):
     assert cached(kept) == 0
     flood("batch-low", 1)
     assert cached(kept) >= 64
-    assert cached(lost) == 0
+    assert cached(lost) < 16  # new (a partial block may match its first tokens)
     flood("batch-normal", 0)
     assert cached(lost) < 16

@@ -102,7 +102,7 @@ class BlockPool:
                 for block in queue]
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Pops `num_blocks` blocks from the LRU head, each with ref_count 1.
+        """Pops the eviction policy's next `num_blocks` victims, each with ref_count 1.
 
         Side effects: a popped block that carried a hash is evicted from the map (one
         BlockRemoved event per call, num_evicted_blocks counted). The caller checks capacity first;
@@ -330,7 +330,7 @@ class BlockPool:
 
     def expire_retention(self) -> None:
         """Ends every retention whose time has come: its block, if free, goes to the head of the
-        LRU queue (unused for the whole retention, it is the least recently used)."""
+        eviction order (unused for the whole retention, it is the least recently used)."""
         for expiry, block_id in self.retention.due(self.retention.clock()):
             block = self.blocks[block_id]
             if block.retained_until > expiry:  # refreshed since: its entry goes back in
@@ -383,7 +383,7 @@ class BlockPool:
             else:
                 assert block.retained_by is None, f"block {block.block_id} has a stale owner"
         assert all(b.retained_until for b in self._retained_free), "unretained block queued"
-        assert not any(b.retained_until for b in self._free_queue), "retained block in LRU queue"
+        assert not any(b.retained_until for b in self._free_queue), "retained block in the policy"
         assert owners == {o: n for o, n in self.retention.owner_blocks.items() if n}, (
             "retained blocks per owner disagree with the ledger"
         )

@@ -1,4 +1,5 @@
-"""Intrusive doubly-linked LRU queue of free blocks, between a head and a tail sentinel.
+"""Intrusive doubly-linked queue of free blocks, between a head and a tail sentinel (the LRU
+policy is one; the segmented eviction policies keep several, eviction.py).
 
 Invariant: a node is in the queue iff its links are set. Why intrusive: a cache hit must take a
 free block out of the middle of the queue (touch) in O(1) with no allocation, and eviction pops the

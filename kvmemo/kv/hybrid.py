@@ -2,9 +2,9 @@
 
 A hybrid model (Gemma 3: five sliding-window layers to each full one) keeps its layers in groups
 of equal size, so every block is one page of the same bytes whichever group holds it, and all
-groups draw from one LRU pool: memory flows to whichever group needs it. Each group has its own
-block table per request and its own (group, hash) entries in the pool's map; a sliding group
-releases the blocks its window no longer sees.
+groups draw from one pool and one eviction order: memory flows to whichever group needs it. Each
+group has its own block table per request and its own (group, hash) entries in the pool's map;
+a sliding group releases the blocks its window no longer sees.
 
 Invariant: a prefix hit serves num_tokens only if EVERY group can: full groups hold every block
 below it, sliding groups the blocks their window sees from the first new token on (and each
@@ -156,7 +156,7 @@ class HybridKVCacheManager:
 
     def free(self, request: Request) -> None:
         """Frees every group's blocks; sliding groups first, so the full group's blocks (what a
-        hit needs most) reach the LRU tail last and are evicted last."""
+        hit needs most) are freed last and evicted last."""
         for group in reversed(self.groups):
             group.free(request)
 

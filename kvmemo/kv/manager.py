@@ -61,9 +61,8 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
         self.group = group
         # Tokens a query sees back from itself in this group's layers; None: the whole context.
         self.window = layout.groups[group].sliding_window
-        self.block_pool = block_pool or BlockPool(
-            num_blocks, enable_caching, enable_events, eviction_policy=eviction_policy
-        )
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_caching, enable_events,
+                                                  eviction_policy=eviction_policy)
         # Parent hashes and extra keys of blocks; requests extend their own block hashes.
         self._hasher = layout.new_hasher()
         self._requests: dict[str, RequestBlocks] = {}
@@ -153,7 +152,7 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
 
             block_table: | hit | hit | partial  | new | new |
                          |<- prefix.num_tokens ->|<- num_new_tokens ->|
-                         touched     copy dst     popped from the LRU head
+                         touched     copy dst     the eviction policy's victims
                          (ref += 1)  (or adopted)  (their old hashes evicted)
 
         Partial match (prefix.partial), by source kind and state:
@@ -162,7 +161,7 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
             partially filled       fresh dst + BlockCopy    adopted as is (no copy)
             committed full block   fresh dst + BlockCopy    fresh dst + BlockCopy; the source is
                                                             kept out of the pops, then rejoins the
-                                                            free queue at the TAIL, still cached;
+                                                            free queue as freed now, still cached;
                                                             if the free blocks fit the request only
                                                             by popping the source too, it is
                                                             adopted instead (evicted, no copy)
@@ -371,16 +370,12 @@ class KVCacheManager(PrefixMatcher, BlockTables, RetainedPrefixes):
         self.release_outside_window(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks, tail first into the free queue, and forgets it.
-
-        Blocks stay cached (hash mapped, partial entries kept) until evicted. A request that holds
-        no blocks (never allocated, or already freed) is ignored.
-        """
-        state = self._requests.pop(request.request_id, None)
-        if state is not None:
-            self.block_pool.free_blocks(
-                (b for b in reversed(state.blocks) if b is not None), request.priority > 0
-            )
+        """Releases the request's blocks, tail first into the free queue (to its head if the
+        request's priority is above 0), and forgets it. Blocks stay cached until evicted; a
+        request that holds no blocks (never allocated, or already freed) is ignored."""
+        if (state := self._requests.pop(request.request_id, None)) is not None:
+            blocks = [b for b in reversed(state.blocks) if b is not None]
+            self.block_pool.free_blocks(blocks, evict_first=request.priority > 0)
 
     # ---- beams: fork copy-on-write, publish only the winners -------------------------------
 

@@ -48,8 +48,9 @@ class MissReport:
 def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
                keys: list[bytes]) -> list[bytes]:
     """Extends `keys` (one per full block, over the tokens alone, chained) to `num_blocks`.
-    BLAKE2b, not hash(): deterministic across processes and not collidable on purpose (a
-    crafted collision would make one tenant's miss report another's tokens as other_salt)."""
+    BLAKE2b, not Python's per-process seeded hash: deterministic across processes and not
+    collidable on purpose (a crafted collision would make one tenant's miss report another's
+    tokens as other_salt)."""
     key = keys[-1] if keys else b""
     for index in range(len(keys), num_blocks):
         block = token_ids[index * block_size : (index + 1) * block_size]

@@ -34,7 +34,10 @@ class LLM:
         self._batch_ids = 0
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
+        """The model's tokenizer. For a GGUF model, a FastTokenizer: Hugging Face's methods the
+        engine uses, run in Rust without transformers (start-up), the rest of its API from the
+        Hugging Face tokenizer (`.hf`), loaded on first use."""
         return self.engine.tokenizer
 
     @property

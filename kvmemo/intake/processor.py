@@ -27,6 +27,7 @@ from kvmemo.intake.segments import (
     split_at_separator,
 )
 from kvmemo.kv.mm_items import MultiModalItem
+from kvmemo.model.loading.chat_template import choose_template, render_chat_template
 
 _ROLES = ("system", "user", "assistant", "tool")
 _IMAGE_PART_TYPES = ("image_url", "input_image", "image")
@@ -295,23 +296,24 @@ class InputProcessor:
     ) -> str:
         validate_messages(messages)
         options = options or ChatOptions()
+        template = self.template_for(options)
+        if not template:
+            raise InputError("messages", "this model has no chat template: send a prompt, "
+                                         "or give chat_template")
+        if options.continue_final_message and messages[-1].get("role") != "assistant":
+            raise InputError(
+                "continue_final_message",
+                "continue_final_message needs the last message to be the assistant's",
+            )
         kwargs: dict[str, Any] = dict(options.template_kwargs or {})
         if options.tools:
             kwargs["tools"] = options.tools
-        template = self.template_for(options)
-        if template:
-            kwargs["chat_template"] = template
-        if options.continue_final_message:
-            if messages[-1].get("role") != "assistant":
-                raise InputError(
-                    "continue_final_message",
-                    "continue_final_message needs the last message to be the assistant's",
-                )
-            kwargs["continue_final_message"] = True
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False,
-                add_generation_prompt=options.add_generation_prompt, **kwargs,
+            return render_chat_template(
+                choose_template(template, bool(options.tools)), messages,
+                special_tokens=self.tokenizer.special_tokens_map,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **kwargs,
             )
         except (TypeError, ValueError, jinja2.TemplateError) as e:  # the template refused it
             raise InputError("messages", f"the chat template failed: {e}") from e

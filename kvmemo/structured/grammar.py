@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvmemo.errors import InputError
+from kvmemo.model.loading.fast_tokenizer import FastTokenizer
 from kvmemo.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class StructuredOutputCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]):
         xgr = _xgrammar()
         start = time.perf_counter()
+        if isinstance(tokenizer, FastTokenizer):  # xgrammar reads Hugging Face's own class
+            tokenizer = tokenizer.hf
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
         )

@@ -1,7 +1,5 @@
 """`python -m kvmemo.cli`: the same as the `kvmemo` command."""
 
-import sys
+from kvmemo.cli import run
 
-from kvmemo.cli import main
-
-sys.exit(main())
+run()

@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from kvmemo import isa
 from kvmemo.model.config import ModelArchConfig
+from kvmemo.model.kernels.quant_linear import QuantizedWeight
 from kvmemo.model.loading.gguf import load_gguf
 from kvmemo.model.loading.safetensors import (
     load_safetensors_dir,
@@ -241,23 +241,16 @@ def load_model(
 
     image_input: ImageInputSpec | None = None
     model: LlamaForCausalLM | LlavaForConditionalGeneration
+    state_dict: dict[str, torch.Tensor | QuantizedWeight]
 
     if resolved.is_file():
         if resolved.suffix != ".gguf":
             raise ValueError(
                 f"{resolved} is a file but not a .gguf; allowed: a .gguf file or an HF directory"
             )
-        # The tokenizer (hashing the file, parsing a vocabulary: a second for Gemma 3's) loads
-        # on a second thread while this one reads the weights; both release the GIL for most
-        # of their work.
-        with ThreadPoolExecutor(1, thread_name_prefix="kvmemo-tokenizer") as pool:
-            loading_tokenizer = pool.submit(load_tokenizer, resolved)
-            checkpoint = load_gguf(resolved, native=weights == "native")
-            arch_config = checkpoint.arch_config
-            model = architecture_spec(arch_config.architecture).model_class.from_state_dict(
-                arch_config, checkpoint.state_dict, dtype=dtype, device=device
-            )
-            tokenizer, chat_template, fingerprint = loading_tokenizer.result()
+        checkpoint = load_gguf(resolved, native=weights == "native")
+        state_dict, arch_config = checkpoint.state_dict, checkpoint.arch_config
+        tokenizer, chat_template, fingerprint = load_tokenizer(resolved)
     else:
         if weights == "native":
             raise ValueError(
@@ -270,12 +263,13 @@ def load_model(
             arch_config = model.config.text
         else:
             dense, arch_config = load_safetensors_dir(resolved)
-            model = architecture_spec(arch_config.architecture).model_class.from_state_dict(
-                arch_config, dict(dense), dtype=dtype, device=device
-            )
+            state_dict = dict(dense)
 
     if image_input is None:
         spec = architecture_spec(arch_config.architecture)
+        model = spec.model_class.from_state_dict(
+            arch_config, state_dict, dtype=dtype, device=device
+        )
         chat_template = chat_template or default_chat_template(arch_config.architecture)
         arch_config = _with_extra_eos(arch_config, tokenizer, spec.extra_eos_tokens)
     logger.info(

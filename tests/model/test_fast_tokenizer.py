@@ -72,6 +72,30 @@ def test_decode_equals_hf(pair) -> None:
                 seq, skip_special_tokens=skip), seq
 
 
+def test_the_compact_copy_tokenizes_as_the_original(pair, tmp_path: Path) -> None:
+    """The copy with string merges, written on first load and read after, changes no id."""
+    import json
+    import shutil
+
+    from kvmemo.model.loading.fast_tokenizer import COMPACT_FILE
+
+    ours, hf, _ = pair
+    directory = tmp_path / "tok"
+    shutil.copytree(ours.directory, directory)
+    (directory / COMPACT_FILE).unlink(missing_ok=True)
+    first = FastTokenizer(directory)  # from tokenizer.json; writes the copy
+    merges = json.loads((directory / COMPACT_FILE).read_text())["model"]["merges"]
+    assert merges and all(isinstance(m, str) for m in merges)
+    second = FastTokenizer(directory)  # from the copy
+    rng = random.Random(1)
+    ids = [rng.randrange(len(hf)) for _ in range(300)]
+    for text in TEXTS + [hf.decode(ids)]:
+        assert first.encode(text) == second.encode(text) == hf.encode(text), text
+    assert second.decode(ids) == hf.decode(ids)
+    (directory / COMPACT_FILE).write_text("{not json")  # damaged: read from the original again
+    assert FastTokenizer(directory).encode(TEXTS[3]) == hf.encode(TEXTS[3])
+
+
 def test_vocabulary_and_special_tokens_equal_hf(pair) -> None:
     ours, hf, _ = pair
     assert len(ours) == len(hf)

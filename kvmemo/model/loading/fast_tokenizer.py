@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,6 +26,10 @@ import tokenizers
 from kvmemo.model.loading.chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)
+
+# The saved tokenizer.json with its BPE merges as "a b" strings (see _write_compact); the
+# original stays as Hugging Face saved it, for `hf`.
+COMPACT_FILE = "tokenizer.compact.json"
 
 # Hugging Face's named special tokens, in the order its all_special_ids lists them.
 SPECIAL_TOKEN_NAMES = (
@@ -50,7 +55,7 @@ class FastTokenizer:
     def __init__(self, directory: Path, *, hf: Any = None):
         self.directory = Path(directory)
         self.name_or_path = str(self.directory)
-        self.backend = tokenizers.Tokenizer.from_file(str(self.directory / "tokenizer.json"))
+        self.backend = _load_backend(self.directory)
         self.backend.no_truncation()  # as Hugging Face's wrapper: whole texts, never padded
         self.backend.no_padding()
         config = json.loads((self.directory / "tokenizer_config.json").read_text())
@@ -206,3 +211,37 @@ class FastTokenizer:
 def _token_text(value: Any) -> str:
     """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
     return str(value["content"]) if isinstance(value, dict) else str(value)
+
+
+def _load_backend(directory: Path) -> tokenizers.Tokenizer:
+    """The Rust tokenizer, from the compact copy when there is one (writing it otherwise)."""
+    compact = directory / COMPACT_FILE
+    if compact.is_file():
+        try:
+            return tokenizers.Tokenizer.from_file(str(compact))
+        except Exception as e:  # a damaged copy is rewritten from the original
+            logger.warning("ignoring unreadable %s: %s", compact, e)
+    source = (directory / "tokenizer.json").read_text(encoding="utf-8")
+    backend = tokenizers.Tokenizer.from_str(source)
+    _write_compact(directory, source)
+    return backend
+
+
+def _write_compact(directory: Path, source: str) -> None:
+    """Writes tokenizer.json again with its BPE merges as "a b" strings, the format before
+    [a, b] pairs: the same merges wherever no part holds a space, and parsed in two thirds of
+    the time (Gemma 3's 514,906 merges: 0.73 s against 1.11 s). Once per tokenizer; where it
+    cannot be written the original is parsed each time."""
+    try:
+        data = json.loads(source)
+        merges = data.get("model", {}).get("merges")
+        if isinstance(merges, list) and all(
+            isinstance(m, list) and len(m) == 2 and " " not in m[0] and " " not in m[1]
+            for m in merges
+        ):
+            data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+        staging = directory / f".{COMPACT_FILE}.{os.getpid()}"
+        staging.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        os.replace(staging, directory / COMPACT_FILE)
+    except (OSError, ValueError) as e:
+        logger.debug("no compact tokenizer under %s: %s", directory, e)

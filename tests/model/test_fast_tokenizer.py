@@ -96,6 +96,18 @@ def test_the_compact_copy_tokenizes_as_the_original(pair, tmp_path: Path) -> Non
     assert FastTokenizer(directory).encode(TEXTS[3]) == hf.encode(TEXTS[3])
 
 
+def test_tensors_and_arrays_of_ids_are_accepted(pair) -> None:
+    import numpy as np
+    import torch
+
+    ours, hf, _ = pair
+    ids = hf.encode("tensors of ids, and arrays")
+    for given in (torch.tensor(ids), np.array(ids)):
+        assert ours.decode(given) == hf.decode(given)
+        assert ours.convert_ids_to_tokens(given) == hf.convert_ids_to_tokens(given)
+    assert ours.decode(np.int64(ids[1])) == hf.decode(np.int64(ids[1]))
+
+
 def test_vocabulary_and_special_tokens_equal_hf(pair) -> None:
     ours, hf, _ = pair
     assert len(ours) == len(hf)

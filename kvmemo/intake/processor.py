@@ -296,10 +296,6 @@ class InputProcessor:
     ) -> str:
         validate_messages(messages)
         options = options or ChatOptions()
-        template = self.template_for(options)
-        if not template:
-            raise InputError("messages", "this model has no chat template: send a prompt, "
-                                         "or give chat_template")
         if options.continue_final_message and messages[-1].get("role") != "assistant":
             raise InputError(
                 "continue_final_message",
@@ -310,7 +306,7 @@ class InputProcessor:
             kwargs["tools"] = options.tools
         try:
             return render_chat_template(
-                choose_template(template, bool(options.tools)), messages,
+                choose_template(self.template_for(options), bool(options.tools)), messages,
                 special_tokens=self.tokenizer.special_tokens_map,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message, **kwargs,

@@ -166,9 +166,11 @@ def _tag_final_message(template: str, chat: list[dict[str, Any]], field: str) ->
     return str(final)
 
 
-def choose_template(template: str | Mapping[str, str], has_tools: bool) -> str:
-    """A checkpoint may ship several named templates: "tool_use" for a request with tools when
-    there is one, else "default"."""
+def choose_template(template: str | Mapping[str, str] | None, has_tools: bool) -> str:
+    """The template to render: a checkpoint may ship several named ones ("tool_use" for a
+    request with tools when there is one, else "default"), or none (ValueError)."""
+    if not template:
+        raise ValueError("this model has no chat template: send a prompt, or give chat_template")
     if isinstance(template, str):
         return template
     name = "tool_use" if has_tools and "tool_use" in template else "default"

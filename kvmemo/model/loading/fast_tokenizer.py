@@ -23,7 +23,7 @@ from typing import Any
 
 import tokenizers
 
-from kvmemo.model.loading.chat_template import render_chat_template
+from kvmemo.model.loading.chat_template import choose_template, render_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -179,11 +179,9 @@ class FastTokenizer:
     ) -> Any:
         """The chat rendered by its template (this tokenizer's unless one is given); its ids
         when tokenize (the template writes the special tokens itself)."""
-        template = chat_template or self.chat_template
-        if template is None:
-            raise ValueError("this tokenizer has no chat template; pass chat_template=")
         text = render_chat_template(
-            template, conversation, special_tokens=self.special_tokens_map, tools=tools,
+            choose_template(chat_template or self.chat_template, bool(tools)), conversation,
+            special_tokens=self.special_tokens_map, tools=tools,
             documents=documents, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **kwargs,
         )

@@ -34,10 +34,12 @@ class Walk:
         self.on = False
         self.touched: dict[str, int] = {}  # file -> calls, in first-call order
         self.crossed: dict[str, set[str]] = {}  # file -> the files it called into
+        self.first_call: dict[tuple[str, str], str] = {}  # (file, file) -> "caller -> callee"
 
     def start(self) -> None:
         self.touched.clear()
         self.crossed.clear()
+        self.first_call.clear()
         self.on = True
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
@@ -57,6 +59,8 @@ class Walk:
         if caller is not None and (there := _package_file(caller)) != here:
             assert there is not None
             self.crossed.setdefault(there, set()).add(here)
+            self.first_call.setdefault(
+                (there, here), f"{caller.f_code.co_name} -> {frame.f_code.co_name}")
 
 
 def _package_file(frame: FrameType) -> str | None:
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--why", action="store_true",
+                        help="name the first call behind each crossing (caller -> callee)")
     args = parser.parse_args(argv)
     from kvmemo.model.loading.loader import bundled_model_path
 
@@ -110,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(crossed)} files crossed from the route to the first sampled token:")
     for name in crossed:
         print(f"  {name:34s} -> {', '.join(sorted(walk.crossed[name]))}")
+        if args.why:
+            for there in sorted(walk.crossed[name]):
+                print(f"      {there}: {walk.first_call[(name, there)]}")
     print(f"{len(touched_only)} more files only entered: {', '.join(touched_only)}")
 
 

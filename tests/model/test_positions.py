@@ -51,3 +51,22 @@ def test_rope_cache_grows_past_max_position() -> None:
     assert cos.shape == (2, 1, 8) and rope.cos_cache.shape[0] >= 1001
     expected = torch.cos(1000 * rope.inv_freq)
     assert torch.allclose(cos[1, 0], expected, atol=1e-5)
+
+
+def test_rope_tables_give_the_same_bits_whatever_their_length() -> None:
+    """Tables start short on the CPU and are rebuilt longer as positions arrive: a position's
+    cos and sin are the same bits from a short table, a grown one and one built long at once."""
+    grown = RotaryEmbedding(256, 1_000_000.0, None, max_position_embeddings=32768)
+    start = grown.cos_cache.shape[0]
+    assert start < 8192  # a short start: that is the memory saved
+    early = torch.arange(0, start, 7)
+    cos_short, sin_short = grown.cos_sin(early, torch.float32)
+    late = torch.tensor([start + 3, 5000, 8191])
+    cos_late, sin_late = grown.cos_sin(late, torch.float32)
+    assert grown.cos_cache.shape[0] > 8191
+    built = RotaryEmbedding(256, 1_000_000.0, None, max_position_embeddings=32768)
+    built.cos_cache, built.sin_cache = built._build_cache(16384)
+    for positions, cos, sin in ((early, cos_short, sin_short), (late, cos_late, sin_late)):
+        cos_ref, sin_ref = built.cos_sin(positions, torch.float32)
+        assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+    assert torch.equal(grown.cos_sin(early, torch.float32)[0], cos_short)

@@ -331,6 +331,29 @@ def test_repacking_drops_only_file_pages_and_loses_no_byte(tmp_path) -> None:
         assert QuantizedWeight.from_numpy("w", T.Q4_1, view).file_mapped is expected
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_repacking_chunk_by_chunk_gives_the_whole_weights_bytes(
+        build: str, qtype: GGMLQuantizationType, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight repacked a few 16-row groups at a time (the source's file pages dropped after
+    each) holds the same bytes as one repacked in one call, tail group included; and the file's
+    bytes read back unchanged."""
+    raw = random_blocks(qtype, 16 * 9 + 5, 256, seed=14)  # 9 whole groups and a tail of 5 rows
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    whole = quant_int8.repacked(QuantizedWeight.from_numpy("w", qtype, raw.copy()))
+    if whole is None:
+        pytest.skip(f"the {build} build does not repack {qtype.name}")
+    row_bytes = raw.reshape(raw.shape[0], -1).shape[1]
+    monkeypatch.setattr(quant_int8, "REPACK_CHUNK_BYTES", 3 * 16 * row_bytes)  # 3 groups a call
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=raw.shape)
+    weight = QuantizedWeight.from_numpy("w", qtype, mapped)
+    assert weight.file_mapped
+    chunked = quant_int8.repacked(weight)
+    assert chunked is not None and torch.equal(chunked, whole)
+    assert torch.equal(weight.data, torch.from_numpy(raw.reshape(raw.shape[0], -1).copy()))
+
+
 def test_a_scale_beyond_the_repacked_layout_is_read_as_it_is(build: str) -> None:
     """A Q4_0 scale whose offset (-8 d) leaves fp16 cannot be repacked: that weight keeps the
     row kernel and its products stay the reference's."""

@@ -84,6 +84,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+INITIAL_ROPE_POSITIONS = 1024  # cos/sin rows built at start on the CPU (more as positions need)
+
+
 class RotaryEmbedding:
     """Owns an fp32 cos/sin cache [num_positions, head_dim // 2]; grows it on demand.
 
@@ -101,7 +104,11 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [D/2] fp32, CPU
-        self.cos_cache, self.sin_cache = self._build_cache(min(max_position_embeddings, 8192))
+        # Why small: a table is touched memory (Gemma 3's four of 8,192 positions held 16 MiB
+        # of a start's 600); on the CPU they double as positions arrive, rebuilt whole with the
+        # same elementwise arithmetic, so a position's values do not depend on the table's size.
+        self.cos_cache, self.sin_cache = self._build_cache(
+            min(max_position_embeddings, INITIAL_ROPE_POSITIONS))
 
     def _build_cache(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(num_positions, dtype=torch.float32, device="cpu")
@@ -122,6 +129,12 @@ class RotaryEmbedding:
             needed = max(2 * self.cos_cache.shape[0], int(positions.max()) + 1)
             self.cos_cache, self.sin_cache = self._build_cache(needed)
         if self.cos_cache.device != positions.device:
+            if positions.device.type != "cpu" and (
+                    self.cos_cache.shape[0] < min(self.max_position_embeddings, 8192)):
+                # On an accelerator the tables start as long as they always did, so the host
+                # syncs above stop at the same length.
+                self.cos_cache, self.sin_cache = self._build_cache(
+                    min(self.max_position_embeddings, 8192))
             self.cos_cache = self.cos_cache.to(positions.device)
             self.sin_cache = self.sin_cache.to(positions.device)
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]

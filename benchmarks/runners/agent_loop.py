@@ -6,8 +6,16 @@ agent framework sends them.
 
 Each turn LangChain's ChatOpenAI(...).bind_tools(TOOLS, tool_choice="required") sends the whole
 conversation; the "tool" runs here (a fixed, made-up result) and the loop goes on. Per turn:
-prompt tokens, cached tokens (the server's usage), the cache-hit share, and the time to first
-token (the server's own TTFT histogram, its sum and count before and after the turn).
+prompt tokens, cached tokens (the server's usage), the cache-hit share, the time to first
+token (the server's own TTFT histogram, its sum and count before and after the turn), the reply's
+tokens and its decode rate (tokens after the first, over the turn's latency less its TTFT).
+
+    python -m benchmarks.runners.agent_loop --engines kvmemo --speculative-config '{"method": "suffix"}'
+
+runs kvmemo with speculative decoding (issue 40's agent-loop goal: its decode rate against a run
+without); greedy, so the loop and its replies are the same either way (the script checks the
+calls' names and arguments against benchmarks/results/agent_loop.json when that run exists). Writes
+benchmarks/results/agent_loop_spec.json then.
 
 vLLM runs with --enable-auto-tool-choice --tool-call-parser hermes, prefix caching, prompt-token
 details, and benchmarks/peers/chatml_tools.jinja, which renders tools as kvmemo's fallback does
@@ -134,10 +142,13 @@ def run_loop(url: str, model: str, tools: list[dict]) -> list[dict]:
         usage = reply.response_metadata["token_usage"]
         prompt = usage["prompt_tokens"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        completion = usage["completion_tokens"]
         call = reply.tool_calls[0]
         turns.append({"turn": turn, "prompt_tokens": prompt, "cached_tokens": cached,
                       "hit_rate": round(cached / prompt, 4), "ttft_s": round(ttft, 3),
-                      "latency_s": round(latency, 3), "tool": call["name"]})
+                      "latency_s": round(latency, 3), "tool": call["name"],
+                      "completion_tokens": completion,
+                      "decode_tok_s": round((completion - 1) / max(latency - ttft, 1e-6), 1)})
         print(json.dumps(turns[-1]), flush=True)
         history += [reply, ToolMessage(
             f"(result {turn} of {call['name']}): done; nothing unusual to report.",
@@ -177,10 +188,13 @@ def replay_loop(url: str, model: str, tools: list[dict], recorded: list[dict]) -
     return turns
 
 
-def run_engine(engine: str, port: int, tools: list[dict], recorded: list[dict]) -> dict:
+def run_engine(engine: str, port: int, tools: list[dict], recorded: list[dict],
+               speculative_config: str | None = None) -> dict:
     command, name = server_command(engine, "float32", port)
     if engine == "kvmemo":
         command += ["--max-model-len", "8192"]
+        if speculative_config:
+            command += ["--speculative-config", speculative_config]
     else:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                     "--enable-prefix-caching", "--enable-prompt-tokens-details",
@@ -189,31 +203,52 @@ def run_engine(engine: str, port: int, tools: list[dict], recorded: list[dict]) 
     with running_server(command, port, env, timeout_s=600) as url:
         turns = run_loop(url, name, tools) if engine == "kvmemo" else \
             replay_loop(url, name, tools, recorded)
-    return {"turns": turns, "min_hit_rate_from_turn_2": min(t["hit_rate"] for t in turns[1:]),
-            "ttft_s_turns_2_to_10": [t["ttft_s"] for t in turns[1:]]}
+    summary = {"turns": turns, "min_hit_rate_from_turn_2": min(t["hit_rate"] for t in turns[1:]),
+               "ttft_s_turns_2_to_10": [t["ttft_s"] for t in turns[1:]]}
+    if engine == "kvmemo":
+        # Decode over the whole loop: every reply's tokens after its first, over their time.
+        decoded = sum(t["completion_tokens"] - 1 for t in turns)
+        seconds = sum(t["latency_s"] - t["ttft_s"] for t in turns)
+        summary["decode_tok_s"] = round(decoded / seconds, 1)
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", default="kvmemo,vllm")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="kvmemo serve's --speculative-config for the kvmemo run")
     args = parser.parse_args()
     tools = make_tools()
     summary: dict = {
         "machine": cpu_label(),
         "client": "langchain-openai ChatOpenAI.bind_tools(tool_choice='required')",
         "tools": len(tools),
+        "speculative_config": args.speculative_config,
     }
     engines = args.engines.split(",")
     if engines[0] != "kvmemo":
         raise SystemExit("kvmemo runs first: the others replay its loop")
     for engine in engines:
         recorded = summary["kvmemo"]["turns"] if engine != "kvmemo" else []
-        summary[engine] = run_engine(engine, args.port or _free_port(), tools, recorded)
+        summary[engine] = run_engine(engine, args.port or _free_port(), tools, recorded,
+                                     args.speculative_config)
         print(engine, json.dumps({k: v for k, v in summary[engine].items() if k != "turns"}),
               flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "agent_loop.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plain = RESULTS / "agent_loop.json"
+    if args.speculative_config and plain.is_file():
+        before = json.loads(plain.read_text()).get("kvmemo", {}).get("turns", [])
+        def calls(turns: list[dict]) -> list:  # the ids are the server's random ones
+            return [(t["call"]["name"], t["call"]["args"]) for t in turns if "call" in t]
+
+        same = calls(summary["kvmemo"]["turns"]) == calls(before)
+        summary["same_calls_as_plain_run"] = same
+        print("the same calls as the plain run:" if same else "OTHER calls than the plain run:",
+              same, flush=True)
+    name = "agent_loop_spec.json" if args.speculative_config else "agent_loop.json"
+    (RESULTS / name).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -298,11 +298,12 @@ class Engine:
         outputs = self.outputs.process(touched, result.sampled, ended, time.monotonic())
         if self.drafts is not None:
             # After the outputs: a stop string there may have ended a request.
+            decoding = sum(1 for request in touched if not request.is_finished)
             for request in touched:
                 if request.is_finished:
                     self.drafts.finished(request)
                 else:
-                    request.draft_token_ids = self.drafts.propose(request)
+                    request.draft_token_ids = self.drafts.propose(request, decoding)
         return outputs
 
     # ---- what the engine tells the outside -------------------------------------------------

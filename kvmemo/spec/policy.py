@@ -5,6 +5,13 @@ A draft of k tokens, each kept with probability a once the ones before it were, 
 1 + a + ... + a^k tokens for a step that costs C(k) plain decode steps. On a CPU every extra
 row costs its share of the products (the int8 kernel is compute-bound past a few rows), so C(k)
 climbs about 0.15 a row and long drafts pay only when they are likely kept.
+
+In a batch the same table prices the step's rows: with `rows` sequences decoding, a draft of k
+is worth its place when the step's tokens per unit of cost, (rows - 1 + 1 + a + ... + a^k) /
+C(rows - 1 + k), beat the plain step's rows / C(rows - 1). One sequence alone is the rule above;
+at 16 rows a CPU's extra rows cost as much as the plain ones, so drafts stop there (served, at
+concurrency 16, verifying every draft ran at 0.88x the plain server, docs/benchmarks.md), while a
+GPU's flat table keeps them.
 """
 
 from __future__ import annotations
@@ -49,14 +56,16 @@ def acceptance(num_accepted: int, num_rejected_drafts: int) -> float:
     )
 
 
-def best_length(limit: int, rate: float, table: Sequence[float]) -> int:
-    """The k in [0, limit] with the most expected tokens per unit of cost (0: no draft)."""
-    best, best_value = 0, 1.0
+def best_length(limit: int, rate: float, table: Sequence[float], rows: int = 1) -> int:
+    """The k in [0, limit] with the most expected tokens per unit of cost of a step that decodes
+    `rows` sequences, this one included (0: no draft)."""
+    others = max(rows, 1) - 1
+    best, best_value = 0, (others + 1.0) / relative_cost(others, table)
     expected, term = 1.0, 1.0
     for k in range(1, limit + 1):
         term *= rate
         expected += term
-        value = expected / relative_cost(k, table)
+        value = (others + expected) / relative_cost(others + k, table)
         if value > best_value:
             best, best_value = k, value
     return best

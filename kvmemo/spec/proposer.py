@@ -26,6 +26,7 @@ class DraftProposer:
         self.config = config
         self.max_model_len = max_model_len
         self.cost = tuple(cost)  # a step verifying k drafts, in plain steps (policy.py)
+        self._pays: dict[int, bool] = {}  # rows -> whether any draft can pay (_drafts_can_pay)
         self.suffix = (
             SuffixIndex(
                 max_depth=config.suffix_decoding_max_tree_depth,
@@ -50,9 +51,10 @@ class DraftProposer:
             if count:
                 logger.info("speculative corpus: %d sequences from %s", count, self.log.path)
 
-    def propose(self, request: Request) -> list[int]:
+    def propose(self, request: Request, rows: int = 1) -> list[int]:
         """The draft for `request`'s next step ([] for a sequence speculation ignores: a beam,
-        a blend's chunks or blended prompt)."""
+        a blend's chunks or blended prompt); `rows`: the sequences that step decodes, this one
+        included (the policy prices a draft against them)."""
         if not request.sample_tokens or request.blend is not None or request.kv_marker:
             return []
         params = request.sampling_params
@@ -61,7 +63,7 @@ class DraftProposer:
             params.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
         )
-        if room <= 0:
+        if room <= 0 or not self._drafts_can_pay(rows):
             return []
         if self.replays is not None:
             # A replay is not capped by num_speculative_tokens: the whole rest of the earlier
@@ -85,7 +87,15 @@ class DraftProposer:
         # How far to verify: the request's acceptance so far, or the draft's own confidence.
         rate = max(acceptance(request.num_accepted_tokens, request.num_rejected_drafts),
                    confidence)
-        return draft[: best_length(len(draft), rate, self.cost)]
+        return draft[: best_length(len(draft), rate, self.cost, rows)]
+
+    def _drafts_can_pay(self, rows: int) -> bool:
+        """Whether a draft kept whole could beat a plain step of `rows` sequences. Why ask
+        first: looking a draft up costs Python time per request and step (the suffix tree,
+        the replays), which a step too full for any draft would pay for nothing."""
+        if rows not in self._pays:
+            self._pays[rows] = best_length(self.config.num_draft_tokens, 1.0, self.cost, rows) > 0
+        return self._pays[rows]
 
     def finished(self, request: Request) -> None:
         """A request ended: its prompt and output join the suffix corpus of its cache_salt

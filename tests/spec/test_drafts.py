@@ -157,6 +157,14 @@ def test_the_policy_verifies_long_drafts_only_when_they_are_likely_kept():
     assert lengths[0] == 0 and lengths == sorted(lengths) and lengths[-1] >= 8
     assert best_length(16, 0.8, GPU_COST) > lengths[2]  # a GPU reads the weights once
     assert best_length(2, 0.99, CPU_NATIVE_COST) == 2  # never past the draft
+    # In a batch a draft's rows are priced against the step's: by hand, 16 rows at 0.95 on the
+    # CPU table, plain 16 / 3.44 = 4.65 tokens per unit, one drafted token (15 + 1.95) / 3.75 =
+    # 4.52 and longer ones less: no draft. Two rows: (1 + 1.95) / 1.41 = 2.09 > 2 / 1.25.
+    assert best_length(16, 0.95, CPU_NATIVE_COST, rows=16) == 0
+    assert best_length(16, 0.95, CPU_NATIVE_COST, rows=2) > 0
+    assert best_length(16, 0.95, GPU_COST, rows=16) > 0  # flat: (15 + 1.95) / 1.32 > 16 / 1.30
+    assert all(best_length(16, a, CPU_NATIVE_COST, rows=1) == best_length(16, a, CPU_NATIVE_COST)
+               for a in (0.1, 0.5, 0.8, 0.95, 0.99))
     assert acceptance(0, 0) == pytest.approx(0.7)  # the prior
     assert acceptance(90, 2) > 0.9 > acceptance(5, 10)
 

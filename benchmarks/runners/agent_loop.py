@@ -14,7 +14,8 @@ tokens and its decode rate (tokens after the first, over the turn's latency less
 
 runs kvmemo with speculative decoding (issue 40's agent-loop goal: its decode rate against a run
 without); greedy, so the loop and its replies are the same either way (the script checks the
-calls' names and arguments against benchmarks/results/agent_loop.json when that run exists). Writes
+calls' names and arguments against benchmarks/results/agent_loop.json, so run the plain loop
+first, in the same mode). Writes
 benchmarks/results/agent_loop_spec.json then. kvmemo runs dense fp32 as everywhere beside vLLM
 (benchmarks/__init__.py); KVMEMO_WEIGHTS=native runs the default mode.
 

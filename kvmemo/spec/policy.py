@@ -10,7 +10,7 @@ In a batch the same table prices the step's rows: with `rows` sequences decoding
 is worth its place when the step's tokens per unit of cost, (rows - 1 + 1 + a + ... + a^k) /
 C(rows - 1 + k), beat the plain step's rows / C(rows - 1). One sequence alone is the rule above;
 at 16 rows a CPU's extra rows cost as much as the plain ones, so drafts stop there (served, at
-concurrency 16, verifying every draft ran at 0.88x the plain server, docs/benchmarks.md), while a
+concurrency 16, verifying every draft ran at 0.91x the plain server, docs/benchmarks.md), while a
 GPU's flat table keeps them.
 """
 

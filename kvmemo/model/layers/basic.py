@@ -85,6 +85,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 INITIAL_ROPE_POSITIONS = 1024  # cos/sin rows built at start on the CPU (more as positions need)
+ACCELERATOR_ROPE_POSITIONS = 8192  # at least this many before the tables move to a GPU
 
 
 class RotaryEmbedding:
@@ -129,12 +130,11 @@ class RotaryEmbedding:
             needed = max(2 * self.cos_cache.shape[0], int(positions.max()) + 1)
             self.cos_cache, self.sin_cache = self._build_cache(needed)
         if self.cos_cache.device != positions.device:
-            if positions.device.type != "cpu" and (
-                    self.cos_cache.shape[0] < min(self.max_position_embeddings, 8192)):
+            longest = min(self.max_position_embeddings, ACCELERATOR_ROPE_POSITIONS)
+            if positions.device.type != "cpu" and self.cos_cache.shape[0] < longest:
                 # On an accelerator the tables start as long as they always did, so the host
                 # syncs above stop at the same length.
-                self.cos_cache, self.sin_cache = self._build_cache(
-                    min(self.max_position_embeddings, 8192))
+                self.cos_cache, self.sin_cache = self._build_cache(longest)
             self.cos_cache = self.cos_cache.to(positions.device)
             self.sin_cache = self.sin_cache.to(positions.device)
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]

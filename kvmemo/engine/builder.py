@@ -21,6 +21,7 @@ from kvmemo.connector.line_log import disk_store_dir
 from kvmemo.connector.store_connector import StoreKVConnector
 from kvmemo.engine.beam_driver import BeamSearchDriver
 from kvmemo.engine.blend_driver import BlendDriver, BlendSettings
+from kvmemo.engine.code_pages import release_torch_code_pages
 from kvmemo.engine.cpu_malloc import keep_freed_memory, return_freed_memory
 from kvmemo.engine.cuda_graphs import DecodeGraphs, decode_graphs_apply
 from kvmemo.engine.encoder_cache import EncoderCache
@@ -84,6 +85,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     if device.type == "cpu":
         keep_freed_memory()  # prefill's activations are reused, not page-faulted in again
+        release_torch_code_pages()  # torch's import-time code, before the weights fill memory
     else:
         # cuBLAS may otherwise sum bf16/fp16 products in reduced precision (split-K):
         # kvmemo's half-precision mode keeps fp32 sums, as its CPU kernels do.

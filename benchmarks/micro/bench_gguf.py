@@ -43,14 +43,23 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _kvmemo(model: str, dtype: str, weights: str) -> dict:
+FIGURES = ("decode_tok_s_ctx18", "decode_tok_s_ctx1024", "prefill_tok_s_1024", "w1_s")
+
+
+def _measure(figures: dict, only: tuple[str, ...]) -> dict:
+    """The figures asked for (all by default), each measured by calling its function."""
+    return {name: measure() for name, measure in figures.items() if name in only}
+
+
+def _kvmemo(model: str, dtype: str, weights: str, kv_cache_dtype: str,
+            only: tuple[str, ...]) -> dict:
     from kvmemo import LLM, SamplingParams
     from kvmemo.model.loading.loader import bundled_model_path, packaged_gemma3_path
     from kvmemo.model.models.registry import default_chat_template
 
     path = packaged_gemma3_path() if model == "gemma3-270m" else bundled_model_path()
     start = time.perf_counter()
-    llm = LLM(path, dtype=dtype, weights=weights)
+    llm = LLM(path, dtype=dtype, weights=weights, kv_cache_dtype=kv_cache_dtype)
     startup_s = time.perf_counter() - start
     tok = llm.engine.tokenizer
     words = "river stone light market garden window paper silver engine forest music".split()
@@ -99,12 +108,12 @@ def _kvmemo(model: str, dtype: str, weights: str) -> dict:
         return statistics.median(times)
 
     llm.generate([short_ids], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    result = {
-        "decode_tok_s_ctx18": decode(short_ids),
-        "decode_tok_s_ctx1024": decode(long_ids),
-        "prefill_tok_s_1024": prefill(),
-        "w1_s": w1_run(),
-    }
+    result = _measure({
+        "decode_tok_s_ctx18": lambda: decode(short_ids),
+        "decode_tok_s_ctx1024": lambda: decode(long_ids),
+        "prefill_tok_s_1024": prefill,
+        "w1_s": w1_run,
+    }, only)
     # KV of one 4,096-token conversation: what the pool holds for it (a sliding layer keeps its
     # window), against what 18 full-attention layers would hold.
     layout = llm.engine.layout
@@ -118,7 +127,7 @@ def _kvmemo(model: str, dtype: str, weights: str) -> dict:
     result["kv_bytes_4096"] = num_blocks * block_bytes
     result["kv_bytes_4096_all_full"] = 4096 * per_layer_token * layout.num_layers
     result["version"] = "kvmemo (this checkout)"
-    result["options"] = {"dtype": dtype, "weights": weights}
+    result["options"] = {"dtype": dtype, "weights": weights, "kv_cache_dtype": kv_cache_dtype}
     result["startup_s"] = startup_s
     result["weights_bytes"] = llm.memory_stats().weights_bytes
     result["peak_rss_bytes"] = _peak_rss_bytes()
@@ -147,7 +156,7 @@ def _gemma_w1(tok, num_requests: int = 32, system_tokens: int = 1024) -> list[li
     return prompts
 
 
-def _llamacpp(model: str, threads: int) -> dict:
+def _llamacpp(model: str, threads: int, only: tuple[str, ...]) -> dict:
     import llama_cpp
 
     data = json.loads(_prompts_file(model).read_text())
@@ -209,10 +218,12 @@ def _llamacpp(model: str, threads: int) -> dict:
 
     generate(data["short"], 4)  # warm-up
     return {
-        "decode_tok_s_ctx18": decode(data["short"]),
-        "decode_tok_s_ctx1024": decode(data["long"]),
-        "prefill_tok_s_1024": prefill(),
-        "w1_s": w1_run(),
+        **_measure({
+            "decode_tok_s_ctx18": lambda: decode(data["short"]),
+            "decode_tok_s_ctx1024": lambda: decode(data["long"]),
+            "prefill_tok_s_1024": prefill,
+            "w1_s": w1_run,
+        }, only),
         "version": f"llama-cpp-python {llama_cpp.__version__}",
         "options": {"n_threads": threads, "n_batch": 512, "n_ctx": 8192},
         "startup_s": startup_s,
@@ -229,17 +240,25 @@ def main() -> None:
                         help="kvmemo's weights option")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama.cpp threads (default: one per core, its best on 2 cores)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="kvmemo's kv_cache_dtype (auto: the engine's default)")
+    parser.add_argument("--only", default=",".join(FIGURES),
+                        help=f"comma-separated figures to measure, of {', '.join(FIGURES)}")
     args = parser.parse_args()
+    only = tuple(args.only.split(","))
+    unknown = sorted(set(only) - set(FIGURES))
+    if unknown:
+        parser.error(f"--only: unknown figures {unknown}; allowed: {', '.join(FIGURES)}")
     if args.engine == "kvmemo":
-        result = _kvmemo(args.model, args.dtype, args.weights)
+        result = _kvmemo(args.model, args.dtype, args.weights, args.kv_cache_dtype, only)
     else:
-        result = _llamacpp(args.model, args.threads)
+        result = _llamacpp(args.model, args.threads, only)
     result.update(engine=args.engine, model=args.model, cpu=cpu_label(), machine=platform.machine())
     suffix = ""
     if args.engine == "kvmemo":
         suffix = ("" if args.weights == "dense" else f"-{args.weights}") + (
             "" if args.dtype == "float32" else f"-{args.dtype}"
-        )
+        ) + ("" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}")
     forced = forced_isa()  # a forced-ISA run keeps its own file beside the native one
     suffix += f"-{forced}" if forced else ""
     out = RESULTS / f"{args.model}-{args.engine}{suffix}.json"

@@ -4,11 +4,20 @@ prompt and tools, every turn a tool_use answered by a ~500-token tool_result) an
 Responses API (previous_response_id, every turn a ~500-token document as input).
 
     python -m benchmarks.runners.agent_api_loop [--max-context 8000] [--output-tokens 24]
+                                               [--engines kvmemo,kvmemo-dense,vllm]
 
 Per turn: the prompt's tokens, the tokens read from the cache, the reuse of what the previous
 turn computed (cached / (its prompt + its output), issue 42's goal: at least 99%), and the time
 to first token as the client sees it (streamed: the first text or tool event). Writes
 benchmarks/results/agent_api_loop.json.
+
+Engines, one fresh server each, in the order given: `kvmemo` (the default mode), `kvmemo-dense`
+(dense fp32 weights, vLLM's dtype) and `vllm` (`vllm serve` from benchmarks/peers/.venv-vllm on
+the fp32 checkpoint of the same GGUF, run as its CPU docs advise (run_suite.engine_env), prefix
+caching on, its Anthropic and Responses routes, VLLM_ENABLE_RESPONSES_API_STORE=1 so that
+previous_response_id works, hermes tool calls and the ChatML-with-tools template kvmemo's
+fallback renders). Each engine generates its own greedy replies, so the conversations match in
+shape and length, not token for token.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ import time
 from typing import Any
 
 from benchmarks.machine_info import cpu_label
-from benchmarks.paths import RESULTS
+from benchmarks.paths import PEERS, RESULTS
+from benchmarks.runners.run_suite import engine_env
+from benchmarks.runners.serve_bench import server_command
 from benchmarks.server_process import running_server
 
 SYSTEM = ("You are a research agent. You read the documents the tools return and answer in one "
@@ -122,23 +133,48 @@ def _summary(turns: list[dict]) -> dict:
             "ttft_turn2_on_max_s": max(t["ttft_s"] for t in later)}
 
 
+ENGINES = ("kvmemo", "kvmemo-dense", "vllm")
+
+
+def engine_server(engine: str, port: int) -> tuple[list[str], str, dict[str, str] | None]:
+    """(command, served model name, environment or None) of one engine's server."""
+    if engine == "vllm":
+        command, name = server_command("vllm", "float32", port)
+        command += ["--enable-prefix-caching", "--enable-prompt-tokens-details",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                    "--chat-template", str(PEERS / "chatml_tools.jinja")]
+        return command, name, {**engine_env("vllm"), "VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+    command = [sys.executable, "-m", "kvmemo.cli", "serve", "--port", str(port),
+               "--served-model-name", "kvmemo-smollm2", "--max-model-len", "8192"]
+    if engine == "kvmemo-dense":
+        command += ["--weights", "dense", "--dtype", "float32"]
+    return command, "kvmemo-smollm2", None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-context", type=int, default=8000)
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--engines", default="kvmemo",
+                        help=f"comma-separated, run in this order: {', '.join(ENGINES)}")
     args = parser.parse_args(argv)
-    port = args.port or _free_port()
-    command = [sys.executable, "-m", "kvmemo.cli", "serve", "--port", str(port),
-               "--served-model-name", "kvmemo-smollm2", "--max-model-len", "8192"]
+    engines = args.engines.split(",")
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        parser.error(f"--engines: unknown {unknown}; allowed: {', '.join(ENGINES)}")
     result: dict[str, Any] = {"machine": cpu_label(), "max_context": args.max_context}
-    with running_server(command, port) as url:
-        for name, loop in (("anthropic_messages", anthropic_loop),
-                           ("openai_responses", responses_loop)):
-            turns = loop(url, "kvmemo-smollm2", args.max_context, args.output_tokens)
-            result[name] = {**_summary(turns), "per_turn": turns}
-            print(name, json.dumps(result[name]["per_turn"][-1]), json.dumps(_summary(turns)),
-                  flush=True)
+    for engine in engines:
+        port = args.port or _free_port()
+        command, name, env = engine_server(engine, port)
+        with running_server(command, port, env, timeout_s=600) as url:
+            for api, loop in (("anthropic_messages", anthropic_loop),
+                              ("openai_responses", responses_loop)):
+                turns = loop(url, name, args.max_context, args.output_tokens)
+                # The default engine keeps the file's earlier keys; the others are prefixed.
+                key = api if engine == "kvmemo" else f"{engine}/{api}"
+                result[key] = {**_summary(turns), "per_turn": turns}
+                print(key, json.dumps(turns[-1]), json.dumps(_summary(turns)), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "agent_api_loop.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0

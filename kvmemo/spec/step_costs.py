@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvmemo.spec.policy import relative_cost
 
 MIN_SAMPLES = 3  # steps of a row count before its own average prices it
-SMOOTHING = 0.2  # weight of the newest step in a row count's moving average
+SMOOTHING = 0.1  # weight of the newest step in a row count's moving average (steps are noisy)
 REFRESH_EVERY = 32  # observed steps between recomputations of the table
 
 

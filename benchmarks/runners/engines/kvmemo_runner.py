@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from benchmarks.runners.engines.base import EngineRunner
 
 
@@ -31,7 +33,13 @@ def make_runner(
 ) -> KvmemoRunner:
     from kvmemo.config import EngineConfig
     from kvmemo.engine import Engine
+    from kvmemo.model.loading.loader import resolve_weights_mode
 
     options = {"model": model, "enable_prefix_caching": prefix_caching, "num_threads": threads,
                "kv_store": kv_store, "dtype": dtype}
-    return KvmemoRunner(Engine(EngineConfig.from_kwargs(**options)), options)
+    engine = Engine(EngineConfig.from_kwargs(**options))
+    # Which weights ran: "auto" resolves by $KVMEMO_WEIGHTS (benchmarks/__init__.py: dense
+    # unless the run asks for native, the default mode).
+    weights = resolve_weights_mode("auto", Path(engine.loaded.path), str(engine.device))
+    recorded = {**options, "weights": weights}
+    return KvmemoRunner(engine, recorded)

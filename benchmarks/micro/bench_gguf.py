@@ -5,6 +5,9 @@
     python -m benchmarks.micro.bench_gguf --model gemma3-270m --engine kvmemo --weights native
     benchmarks/peers/.venv-llamacpp/bin/python -m benchmarks.micro.bench_gguf \
         --model gemma3-270m --engine llama.cpp
+    # some figures only (--only), kvmemo with another KV dtype (--kv-cache-dtype):
+    python -m benchmarks.micro.bench_gguf --model smollm2 --engine kvmemo --weights native \
+        --only decode_tok_s_ctx18,decode_tok_s_ctx1024 --kv-cache-dtype bfloat16
 
 Figures: decode of one request at 18 and 1,024 tokens of context (greedy, 128 tokens, EOS
 ignored), prefill of 1,024 tokens (no cache), W1 built with Gemma's tokenizer (32 x [~1,024

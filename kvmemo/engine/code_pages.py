@@ -3,10 +3,10 @@
 Why: importing torch runs libtorch's static initializers (tens of thousands of operator
 registrations spread over the whole library), which touches about 60 MB of its code; those pages
 stay mapped and counted in the process's RSS, though a decode step runs a few MB of that code.
-Given back before the weights load, Gemma 3 270M's peak RSS of one turn fell from 608 to 560 MiB
-(docs/benchmarks.md). MADV_DONTNEED on a private file mapping that was never written only unmaps
-its pages: they stay in the page cache, and code that runs again faults its page back in from
-memory (a minor fault, no disk read).
+Given back before the weights load, Gemma 3 270M's peak RSS of one turn fell from 601-609 to
+561 MiB (docs/benchmarks.md). MADV_DONTNEED on a private file mapping that was never written only
+unmaps its pages (kvmemo/file_pages.py): they stay in the page cache, and code that runs again
+faults its page back in from memory (a minor fault, no disk read).
 
 Invariant: only torch's own libraries' executable, read-only private mappings (r-xp), which
 nothing writes; never a writable or anonymous mapping, where DONTNEED would discard data.
@@ -14,14 +14,14 @@ nothing writes; never a writable or anonymous mapping, where DONTNEED would disc
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import sys
 from pathlib import Path
 
+from kvmemo.file_pages import drop_resident_pages
+
 logger = logging.getLogger(__name__)
 
-_MADV_DONTNEED = 4
 TORCH_LIBRARY_DIR = "/torch/lib/"  # libtorch_cpu.so, libtorch_python.so, libc10.so, ...
 
 
@@ -38,21 +38,13 @@ def torch_code_mappings(maps: str) -> list[tuple[int, int, str]]:
 
 def release_torch_code_pages() -> int:
     """Unmaps the resident pages of torch's code (they fault back in where it runs again);
-    returns the bytes of mappings advised, 0 off Linux or where madvise is unavailable."""
+    returns the bytes of mappings advised, 0 off Linux."""
     if sys.platform != "linux":
         return 0
-    try:
-        maps = Path("/proc/self/maps").read_text()
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
     advised = 0
-    for start, end, path in torch_code_mappings(maps):
-        if madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) == 0:
+    for start, end, path in torch_code_mappings(Path("/proc/self/maps").read_text()):
+        if drop_resident_pages(start, end):
             advised += end - start
         else:
-            logger.debug("madvise(DONTNEED) refused for %s: errno %d", path, ctypes.get_errno())
+            logger.debug("madvise(DONTNEED) refused for %s", path)
     return advised

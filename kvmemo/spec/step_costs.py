@@ -34,8 +34,8 @@ class StepCosts:
     prior: tuple[float, ...]
     seconds: dict[int, float] = field(default_factory=dict)  # rows -> moving average
     samples: dict[int, int] = field(default_factory=dict)
-    _since_refresh: int = 0
-    _table: tuple[float, ...] = ()
+    _since_refresh: int = field(default=0, init=False, repr=False)
+    _table: tuple[float, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.prior) < 2 or self.prior[0] != 1.0:

@@ -15,8 +15,6 @@ fp32 above 98%, see docs/benchmarks.md). The fp32-activation kernel stays for F1
 from __future__ import annotations
 
 import ctypes
-import mmap
-import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from typing import Callable
 import torch
 from gguf import GGMLQuantizationType
 
+from kvmemo.file_pages import drop_resident_pages
 from kvmemo.model.kernels.quant_linear import QuantizedWeight
 from kvmemo.native import load_library
 
@@ -186,34 +185,14 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
     return packed
 
 
-_MADV_DONTNEED = 4
-
-
 def _page_out(data: torch.Tensor) -> None:
     """Drops a repacked weight's GGUF bytes, pages of a file mapped read-only
     (QuantizedWeight.file_mapped), from this process's resident memory: the products read the
-    repacked copy, so these would stay resident beside it (the repack touched them all).
-    MADV_DONTNEED on such pages only unmaps them; they stay in the page cache (the next start
-    reads them from memory, not disk) and come back if anything touches them (the embedding
-    table's rows). Never on anonymous or writable memory: there DONTNEED would zero it."""
-    libc = _libc()
-    if libc is None:
-        return
-    page = mmap.PAGESIZE
-    start = -(-data.data_ptr() // page) * page
-    end = (data.data_ptr() + data.numel() * data.element_size()) // page * page
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    if sys.platform != "linux":
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc
+    repacked copy, so these would stay resident beside it (the repack touched them all). They
+    stay in the page cache (the next start reads them from memory, not disk) and come back if
+    anything touches them (the embedding table's rows)."""
+    start = data.data_ptr()
+    drop_resident_pages(start, start + data.numel() * data.element_size())
 
 
 class Int8Weights:

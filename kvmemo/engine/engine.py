@@ -273,11 +273,7 @@ class Engine:
         with speculative decoding on). Returns an output for every request that got tokens or
         finished (as its output kind allows)."""
         output = self.scheduler.schedule()
-        began = time.perf_counter()
         result = self.runner.execute(output)
-        if self.drafts is not None and output.is_decode_only:
-            self.drafts.observe_step(sum(len(s.token_ids) for s in output.sequences),
-                                     time.perf_counter() - began)
         self.num_steps += 1
         sampled = {rid: [t.token_id for t in tokens] for rid, tokens in result.sampled.items()}
         touched = self.scheduler.update_from_output(output, sampled)

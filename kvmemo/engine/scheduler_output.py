@@ -91,11 +91,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.sequences
-
-    @property
-    def is_decode_only(self) -> bool:
-        """Every sequence decodes: its last token and its draft, no prompt positions."""
-        return bool(self.sequences) and all(
-            s.num_output_tokens > 0 and len(s.token_ids) == 1 + len(s.draft_token_ids)
-            for s in self.sequences
-        )

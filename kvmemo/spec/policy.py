@@ -12,9 +12,6 @@ C(rows - 1 + k), beat the plain step's rows / C(rows - 1). One sequence alone is
 at 16 rows a CPU's extra rows cost as much as the plain ones, so drafts stop there (served, at
 concurrency 16, verifying every draft ran at 0.91x the plain server, docs/benchmarks.md), while a
 GPU's flat table keeps them.
-
-The tables below are priors: the proposer prices drafts with StepCosts (step_costs.py), which
-starts from them and follows the decode steps this machine runs.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from kvmemo.spec.corpus_log import CorpusLog, CorpusRecord
 from kvmemo.spec.ngram import ngram_draft
 from kvmemo.spec.policy import CPU_NATIVE_COST, acceptance, best_length
 from kvmemo.spec.replay import ReplayIndex, replayable, run_key
-from kvmemo.spec.step_costs import StepCosts
 from kvmemo.spec.suffix import SuffixIndex
 
 logger = logging.getLogger(__name__)
@@ -26,9 +25,7 @@ class DraftProposer:
                  cost: Sequence[float] = CPU_NATIVE_COST, log: CorpusLog | None = None):
         self.config = config
         self.max_model_len = max_model_len
-        # A step verifying k drafts, in plain steps (policy.py): the prior `cost`, then what
-        # this machine's decode steps take (step_costs.py, fed by observe_step).
-        self.costs = StepCosts(tuple(cost))
+        self.cost = tuple(cost)  # a step verifying k drafts, in plain steps (policy.py)
         self._pays: dict[int, bool] = {}  # rows -> whether any draft can pay (_drafts_can_pay)
         self.suffix = (
             SuffixIndex(
@@ -90,21 +87,14 @@ class DraftProposer:
         # How far to verify: the request's acceptance so far, or the draft's own confidence.
         rate = max(acceptance(request.num_accepted_tokens, request.num_rejected_drafts),
                    confidence)
-        return draft[: best_length(len(draft), rate, self.costs.table, rows)]
-
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode step of `rows` rows (drafts included) took `seconds` (the engine's forward
-        and sampling): the cost table learns it."""
-        if self.costs.observe(rows, seconds):
-            self._pays.clear()  # priced with the old table
+        return draft[: best_length(len(draft), rate, self.cost, rows)]
 
     def _drafts_can_pay(self, rows: int) -> bool:
         """Whether a draft kept whole could beat a plain step of `rows` sequences. Why ask
         first: looking a draft up costs Python time per request and step (the suffix tree,
         the replays), which a step too full for any draft would pay for nothing."""
         if rows not in self._pays:
-            self._pays[rows] = best_length(
-                self.config.num_draft_tokens, 1.0, self.costs.table, rows) > 0
+            self._pays[rows] = best_length(self.config.num_draft_tokens, 1.0, self.cost, rows) > 0
         return self._pays[rows]
 
     def finished(self, request: Request) -> None:

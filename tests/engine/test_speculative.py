@@ -251,18 +251,3 @@ def test_a_restarted_engine_replays_from_the_saved_corpus(tmp_path, plain):
     whole = n - 1 if out[0].outputs[0].finish_reason == "stop" else n - 2
     assert out[0].metrics.num_drafts == 1 and out[0].metrics.num_accepted_tokens == whole
     assert out[0].metrics.num_cached_tokens > 0  # the prompt's KV came back from the store
-
-
-def test_the_engine_prices_drafts_by_its_own_decode_steps(ngram):
-    """Every decode step reaches the draft policy's cost table (spec/step_costs.py), drafted
-    rows counted; prefill steps never do."""
-    costs = ngram.engine.drafts.costs
-    before = dict(costs.samples)
-    outs = _run(ngram, SamplingParams(max_tokens=32, temperature=0.0), chats=(COPY,), prompts=())
-    assert _accepted(outs) > 0
-    new = {rows: n - before.get(rows, 0) for rows, n in costs.samples.items()
-           if n > before.get(rows, 0)}
-    # One sequence: each step after the prefill's first token is a decode step of one row plus
-    # at most 6 drafted; with drafts kept, fewer steps than the 31 tokens after the first.
-    assert 0 < sum(new.values()) < 31
-    assert max(new) > 1 and max(new) <= 7

@@ -185,10 +185,11 @@ def test_gemma3_fused_step_computes_the_layer(gemma3_gguf) -> None:
         finally:
             for layer, step in zip(layers, steps):
                 layer.fused_step = step
-    # Each layer's output moves by 2-6e-5 of its norm (an int8 code may round the other way), and
-    # Gemma's residual stream (entries in the thousands) carries that through 18 layers: ~1% of
-    # the largest logit; wiring a norm wrong moves them by tens of percent.
-    torch.testing.assert_close(fused, unfused, rtol=0, atol=0.02 * float(unfused.abs().max()))
+    # Each layer's output moves a little (an int8 code may round the other way, and a code's
+    # step is its group of 16 values' amax / 127), and Gemma's residual stream (entries in the
+    # thousands) carries that through 18 layers: up to 2.6% of the largest logit here (0.8-1.4%
+    # with a scale per 4 values); wiring a norm wrong moves them by tens of percent.
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0.04 * float(unfused.abs().max()))
     assert torch.equal(fused.argmax(-1), unfused.argmax(-1))
 
 

@@ -14,20 +14,24 @@
  *            c after them
  * So a Q4_1 weight takes 20 bytes per 32 values, as in the file; Q5_0 24 (22), Q6_K 40 (26.25).
  * A quad g of codes times a row's four int8 activations of that quad is one vpdpbusd against
- * the broadcast quad, for 16 outputs at once; the quad's activation scale (one per 4 values)
- * multiplies the int32 lanes, the run's s and c close the run.
+ * the broadcast quad, for 16 outputs at once; the dots of an activation group's quads (GROUP
+ * values, 16: half a run) add in int32, the group's scale multiplies their sum once, the run's s
+ * and c close the run.
  *
  * Why: the row-by-row kernel (row_tile) spends 5-6 vector instructions per 64 multiply-adds
  * of one row and unpacks every run again for each tile of 4 rows; here a run is unpacked once,
- * at load, and a row pays a dot, a conversion and an FMA per 64 (16 outputs x 4 values).
+ * at load, and a row pays a dot per 64 (16 outputs x 4 values) and a conversion and an FMA per
+ * activation group.
  *
- * Invariant: an output is its own row's sum, run by run in order, quads in order within a run,
+ * Invariant: an output is its own row's sum, run by run in order, groups in order within a run,
  * whatever the row count, the row's place in a tile or the thread that computes it, so a row's
  * result does not depend on the rows beside it (batch invariance). */
 #ifndef KVMEMO_Q8_REPACKED_H
 #define KVMEMO_Q8_REPACKED_H
 
 enum { PACK_ROWS = 16, PACK_TILE = 4 };
+/* A group never straddles Q6_K's halves (16 values a scale): its dots take one weight scale. */
+_Static_assert(GROUP == 4 || GROUP == 16, "activation groups of 4 or 16 values");
 
 /* Codes are nibbles plus this many planes of their higher bits (Q8_0: whole bytes, -1). */
 static inline int bit_planes(int type) {
@@ -183,15 +187,18 @@ static inline __attribute__((always_inline)) void packed_tile(
             const int8_t *quad = q + r * K + 32 * j;
             const float *d = e + r * 16 * nb + 8 * j, *h = hs + (r * nb + j) * 2;
             __m512 fa = _mm512_setzero_ps(), fb = _mm512_setzero_ps();
-            for (int g = 0; g < 8; g++) {
-                int32_t codes; /* the row's 4 codes of quad g, broadcast to every lane */
-                memcpy(&codes, quad + 4 * g, 4);
-                const __m512i dot =
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[g], _mm512_set1_epi32(codes));
-                if (g < 4 || !split)
-                    fa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g]), fa);
+            for (int g0 = 0; g0 < 8; g0 += GROUP / 4) {
+                /* the quads of one activation group share its scale: their dots add in int32 */
+                __m512i dot = _mm512_setzero_si512();
+                for (int g = g0; g < g0 + GROUP / 4; g++) {
+                    int32_t codes; /* the row's 4 codes of quad g, broadcast to every lane */
+                    memcpy(&codes, quad + 4 * g, 4);
+                    dot = _mm512_dpbusd_epi32(dot, w[g], _mm512_set1_epi32(codes));
+                }
+                if (g0 < 4 || !split)
+                    fa = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g0]), fa);
                 else
-                    fb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g]), fb);
+                    fb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d[g0]), fb);
             }
             if (split) {
                 acc[r] = _mm512_fmadd_ps(fa, sa, acc[r]);
@@ -209,15 +216,26 @@ static inline __attribute__((always_inline)) void packed_tile(
 #elif Q8_REPACKED == 256
 /* The 256-bit kernel: the same sums in the same order, on the group's two halves of 8 rows in
  * turn (sixteen ymm registers hold one half's accumulators, not both). */
-static inline __m256i dot_quad(__m256i codes, int32_t x) {
-    const __m256i q = _mm256_set1_epi32(x);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, q);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), codes, q);
-#else /* codes <= 63 here (Q8_0 is not repacked): pairs stay within int16 */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define HAVE_DOT_VNNI 1
 #endif
+
+#if defined(HAVE_DOT_VNNI)
+/* sum + each lane's dot of its 4 codes with x's 4 int8 values (exact in int32). */
+static inline __m256i dot_quad(__m256i sum, __m256i codes, int32_t x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(sum, codes, _mm256_set1_epi32(x));
+#else
+    return _mm256_dpbusd_avx_epi32(sum, codes, _mm256_set1_epi32(x));
+#endif
+}
+#endif
+
+/* Without a VNNI dot, quads whose vpmaddubsw pair sums add in int16 before one vpmaddwd: codes
+ * up to 31 give pairs up to 2 * 31 * 127, four of which fit int16; Q6_K's up to 63, two. */
+static inline int int16_quads(int type) {
+    const int quads = bit_planes(type) >= 2 ? 2 : 4;
+    return quads < GROUP / 4 ? quads : GROUP / 4; /* and never past the activation group */
 }
 
 /* Bit i of `bits` as byte i: 0xFF where set, 0 where clear. */
@@ -242,6 +260,11 @@ static inline __attribute__((always_inline)) void packed_tile(
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *run = group + j * run_bytes;
             __m256 fa[PACK_TILE], fb[PACK_TILE];
+            __m256i dot[PACK_TILE]; /* a row's dots of the activation group so far */
+#if !defined(HAVE_DOT_VNNI)
+            __m256i pairs[PACK_TILE]; /* int16 pair sums of the quads since the last vpmaddwd */
+            const int span = int16_quads(type);
+#endif
             for (int r = 0; r < R; r++) fa[r] = fb[r] = _mm256_setzero_ps();
             for (int g = 0; g < 8; g++) {
                 __m256i w;
@@ -257,10 +280,22 @@ static inline __attribute__((always_inline)) void packed_tile(
                 } else {
                     w = _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));
                 }
+                const int last = g % (GROUP / 4) == GROUP / 4 - 1;
                 for (int r = 0; r < R; r++) {
                     int32_t codes;
                     memcpy(&codes, q + r * K + 32 * j + 4 * g, 4);
-                    const __m256 p = _mm256_cvtepi32_ps(dot_quad(w, codes));
+#if defined(HAVE_DOT_VNNI)
+                    dot[r] = dot_quad(g % (GROUP / 4) ? dot[r] : _mm256_setzero_si256(), w, codes);
+#else
+                    const __m256i p16 = _mm256_maddubs_epi16(w, _mm256_set1_epi32(codes));
+                    pairs[r] = g % span == 0 ? p16 : _mm256_add_epi16(pairs[r], p16);
+                    if (g % span != span - 1) continue;
+                    const __m256i p32 = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
+                    dot[r] = g % (GROUP / 4) < span ? p32 : _mm256_add_epi32(dot[r], p32);
+#endif
+                    if (!last) continue;
+                    /* the group's dots, summed, take its scale: as the 512-bit kernel does */
+                    const __m256 p = _mm256_cvtepi32_ps(dot[r]);
                     const __m256 d = _mm256_set1_ps(e[r * 16 * nb + 8 * j + g]);
                     if (g < 4 || !split) fa[r] = _mm256_fmadd_ps(p, d, fa[r]);
                     else fb[r] = _mm256_fmadd_ps(p, d, fb[r]);

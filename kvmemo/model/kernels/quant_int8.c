@@ -1,9 +1,10 @@
 /* GGUF-quantized linear layers with int8 activations: y[M, N] = q8(x)[M, K] . dequant(W)[N, K]^T.
  *
- * How: each row of x is quantized per GROUP (4) values to int8 codes with one fp32 scale
- * (d = amax * (1/127), code = round(x / d)); llama.cpp's Q8 activations take one scale per 32,
- * which moved 3% of SmolLM2's teacher-forced next tokens here, per 4 moves 1.4% at the same
- * speed (the scale is per vector lane, which the product multiplies anyway). A weight's 32-value
+ * How: each row of x is quantized per GROUP (16) values to int8 codes with one fp32 scale
+ * (d = amax * (1/127), code = round(x / d)). Why 16: the repacked kernel sums a group's four
+ * vpdpbusd in int32 before one conversion and one FMA, where a scale per 4 values (lane) needs
+ * both for every dot: 1.4x the products' rate at 9 to 512 rows (docs/benchmarks.md). llama.cpp's
+ * Q8 activations take one scale per 32 (no faster here, and less exact). A weight's 32-value
  * run is a vector of unsigned codes u with per-16 scales sa/sb and offsets ca/cb (value = s * u
  * + c), so a lane's product (4 codes) is
  *     d_lane * s * <u, q>[lane] + c * d_lane * sum(q[lane])
@@ -34,7 +35,7 @@
 #include "vec_exp.h"
 
 enum { MAX_M = 32 };
-enum { GROUP = 4 }; /* activation values per int8 scale: 4, 8 or 16 (lanes of 4 codes) */
+enum { GROUP = 16 }; /* activation values per int8 scale: 4 or 16 (lanes of 4 codes) */
 
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef uint8_t v32u8 __attribute__((vector_size(32)));
@@ -47,15 +48,20 @@ typedef uint8_t v32u8 __attribute__((vector_size(32)));
  * spreading factor is a power of two, exact); consecutive blocks' entries are adjacent, so a
  * 512-bit load takes two blocks. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-/* Sixteen values (four groups of GROUP == 4) as the scalar loop below quantizes them, bit for
- * bit: NaN counts as 0 in the group's amax (as fmaxf skips it) and codes as 0; the group max
- * and sum reduce within each 128-bit lane. Returns d and d * sum, replicated over each group. */
+/* Sixteen values (four groups of GROUP == 4, or one of 16) as the scalar loop below quantizes
+ * them, bit for bit: NaN counts as 0 in the group's amax (as fmaxf skips it) and codes as 0; the
+ * group max and sum reduce within each 128-bit lane, then across lanes for a group of 16.
+ * Returns d and d * sum * 4 / GROUP, replicated over each group. */
 static inline void quantize16(const float *x, int8_t *q, __m512 *d_out, __m512 *c_out) {
     const __m512 v = _mm512_loadu_ps(x);
     const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
     __m512 a = _mm512_maskz_mov_ps(ordered, _mm512_abs_ps(v));
     a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
     a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    if (GROUP == 16) {
+        a = _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+        a = _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
+    }
     const __m512 d = _mm512_mul_ps(a, _mm512_set1_ps(1.0f / 127.0f));
     const __mmask16 normal = _mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ);
     const __m512 id = _mm512_maskz_div_ps(normal, _mm512_set1_ps(1.0f), d);
@@ -66,8 +72,13 @@ static inline void quantize16(const float *x, int8_t *q, __m512 *d_out, __m512 *
     _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(codes));
     codes = _mm512_add_epi32(codes, _mm512_shuffle_epi32(codes, _MM_PERM_CDAB));
     codes = _mm512_add_epi32(codes, _mm512_shuffle_epi32(codes, _MM_PERM_BADC));
+    if (GROUP == 16) {
+        codes = _mm512_add_epi32(codes, _mm512_shuffle_i32x4(codes, codes, _MM_SHUFFLE(2, 3, 0, 1)));
+        codes = _mm512_add_epi32(codes, _mm512_shuffle_i32x4(codes, codes, _MM_SHUFFLE(1, 0, 3, 2)));
+    }
     *d_out = d;
-    *c_out = _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes));
+    *c_out = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(codes)),
+                           _mm512_set1_ps(4.0f / GROUP));
 }
 #endif
 
@@ -75,8 +86,8 @@ int kvmemo_quantize_q8(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t
     if (K % 32) return 2;
     const int64_t nb = K / 32;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-    if (GROUP == 4) {
-        /* lanes 0, 4, 8, 12 of the first vector, then of the second: one per group */
+    if (GROUP == 4 || GROUP == 16) {
+        /* lanes 0, 4, 8, 12 of the first vector, then of the second: one per lane of 4 codes */
         const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
         for (int64_t m = 0; m < M; m++) {
             for (int64_t b = 0; b < nb; b++) {
@@ -476,21 +487,25 @@ static void prepare_row(const float *x, int64_t K, const q8_options *o, float *o
 }
 
 /* Per-head norms, RoPE on y's first rope_cols columns (whole heads), the row's norm, then the
- * residual add. */
+ * residual add: row by row, in parallel from PARALLEL_ROWS rows (a row's steps and their order are
+ * the same on any thread, so its bits are too). */
+enum { PARALLEL_ROWS = 4 };
 static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_options *o) {
     if (!o) return;
-    for (int64_t m = 0; o->q_norm && m < M; m++) {
-        for (int64_t h = 0; h < o->q_cols; h += o->head_dim)
-            rmsnorm_row(y + m * ldy + h, o->head_dim, o->q_norm, o->eps, y + m * ldy + h);
-        for (int64_t h = o->q_cols; h < o->q_cols + o->k_cols; h += o->head_dim)
-            rmsnorm_row(y + m * ldy + h, o->head_dim, o->k_norm, o->eps, y + m * ldy + h);
-    }
-    if (o->cos) {
-        const int64_t half = o->head_dim / 2;
-        for (int64_t m = 0; m < M; m++) {
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < M; m++) {
+        float *ym = y + m * ldy;
+        if (o->q_norm) {
+            for (int64_t h = 0; h < o->q_cols; h += o->head_dim)
+                rmsnorm_row(ym + h, o->head_dim, o->q_norm, o->eps, ym + h);
+            for (int64_t h = o->q_cols; h < o->q_cols + o->k_cols; h += o->head_dim)
+                rmsnorm_row(ym + h, o->head_dim, o->k_norm, o->eps, ym + h);
+        }
+        if (o->cos) {
+            const int64_t half = o->head_dim / 2;
             const float *c = o->cos + m * half, *sn = o->sin + m * half;
             for (int64_t h = 0; h < o->rope_cols; h += o->head_dim) {
-                float *a = y + m * ldy + h, *b = a + half;
+                float *a = ym + h, *b = a + half;
                 for (int64_t i = 0; i < half; i++) {
                     const float x1 = a[i], x2 = b[i];
                     a[i] = x1 * c[i] - x2 * sn[i];
@@ -498,12 +513,10 @@ static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_op
                 }
             }
         }
+        if (o->post_norm) rmsnorm_row(ym, N, o->post_norm, o->eps, ym);
+        if (o->residual)
+            for (int64_t n = 0; n < N; n++) ym[n] += o->residual[m * o->ldr + n];
     }
-    for (int64_t m = 0; o->post_norm && m < M; m++)
-        rmsnorm_row(y + m * ldy, N, o->post_norm, o->eps, y + m * ldy);
-    if (o->residual)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++) y[m * ldy + n] += o->residual[m * o->ldr + n];
 }
 
 #include "q8_repacked.h"
@@ -551,26 +564,43 @@ int kvmemo_quant_linear_q8(const float *x, int64_t M, int64_t ldx, const q8_weig
     const int64_t nb = K / 32, chunks = first_chunk[num_parts];
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * (size_t)(M * 16 * nb));
-    float *row = malloc(sizeof(float) * (size_t)K);
     /* per run of each row: its two halves' d * sum (the repacked kernel's offset terms) */
     float *hs = any_packed ? malloc(sizeof(float) * (size_t)(M * nb * 2)) : NULL;
-    if (!xq || !xd || !row || (any_packed && !hs)) {
+    int no_row = 0;
+    if (!xq || !xd || (any_packed && !hs)) {
         free(xq);
         free(xd);
-        free(row);
         free(hs);
         return 3;
     }
-    for (int64_t m = 0; m < M; m++) {
-        prepare_row(x + m * ldx, K, opts, row);
-        kvmemo_quantize_q8(row, 1, K, K, xq + m * K, xd + m * 16 * nb);
-        const float *c = xd + m * 16 * nb + 8 * nb;
-        for (int64_t j = 0; hs && j < nb; j++) {
-            hs[(m * nb + j) * 2] = (c[8 * j] + c[8 * j + 1]) + (c[8 * j + 2] + c[8 * j + 3]);
-            hs[(m * nb + j) * 2 + 1] = (c[8 * j + 4] + c[8 * j + 5]) + (c[8 * j + 6] + c[8 * j + 7]);
+    /* Rows are prepared and quantized each on its own (in parallel from PARALLEL_ROWS rows: a
+     * prefill's GELU gating and quantization were a serial tenth of its products' time). */
+#pragma omp parallel if (M >= PARALLEL_ROWS)
+    {
+        float *row = malloc(sizeof(float) * (size_t)K);
+        if (!row) {
+#pragma omp atomic write
+            no_row = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!row) continue;
+            prepare_row(x + m * ldx, K, opts, row);
+            kvmemo_quantize_q8(row, 1, K, K, xq + m * K, xd + m * 16 * nb);
+            const float *c = xd + m * 16 * nb + 8 * nb;
+            for (int64_t j = 0; hs && j < nb; j++) {
+                hs[(m * nb + j) * 2] = (c[8 * j] + c[8 * j + 1]) + (c[8 * j + 2] + c[8 * j + 3]);
+                hs[(m * nb + j) * 2 + 1] = (c[8 * j + 4] + c[8 * j + 5]) + (c[8 * j + 6] + c[8 * j + 7]);
+            }
+        }
+        free(row);
     }
-    free(row);
+    if (no_row) {
+        free(xq);
+        free(xd);
+        free(hs);
+        return 3;
+    }
     const int64_t pass = rows_per_pass(K);
     const size_t scratch_bytes = M > TILE && any_unpacked ? unpacked_bytes(K) : 0;
     int failed = 0;

@@ -1,15 +1,16 @@
 """Products of activations quantized to int8 (any row count) with GGUF-quantized weights.
 
 Invariant: Int8Weights([w])(x) equals F.linear(x', w.dequantize()) to fp32 rounding, where x' is
-x rounded to int8 codes per GROUP (4) values (scale amax / 127: quantize_activations), so it
+x rounded to int8 codes per GROUP (16) values (scale amax / 127: quantize_activations), so it
 differs from F.linear(x, W) by at most sum_k |W[n, k]| * scale_k / 2 (kernels/quant_int8.c).
 Why: the integer dot product of 32 codes is one VNNI instruction (AVX512-VNNI, AVX-VNNI; two on
 AVX2), where the fp32-activation kernel (quant_linear.py) dequantizes each weight block to floats
 first. Weights repacked at load into groups of 16 rows (kernels/q8_repacked.h; a Q4_0/Q4_1
 weight keeps the file's bytes per value) make a vector's lanes outputs, so no run is unpacked
 twice and no lane is summed across. A decode step reads every weight once; this is what llama.cpp
-does on CPU (with a scale per 32 values; per 4 keeps SmolLM2's teacher-forced agreement with
-fp32 above 98%, see docs/benchmarks.md). The fp32-activation kernel stays for F16/BF16 weights.
+does on CPU (with a scale per 32 values; per 16 lets a group's four dots add in int32 before
+one scale, 1.4x the rate of a scale per 4, see docs/benchmarks.md). The fp32-activation kernel
+stays for F16/BF16 weights.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ SOURCE = Path(__file__).with_name("quant_int8.c")
 T = GGMLQuantizationType
 INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 BLOCK = 32  # values per weight run (the kernel's unit; K must be a multiple)
-GROUP = 4  # activation values per int8 scale (kernels/quant_int8.c)
+GROUP = 16  # activation values per int8 scale (kernels/quant_int8.c)
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 

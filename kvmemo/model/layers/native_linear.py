@@ -1,7 +1,7 @@
 """NativeLinear: a projection over GGUF weights kept at their own bits, with the Linear interface.
 
 Invariant: one numeric path per weight, whatever the row count: quantized parts go through the
-int8 kernel (x rounded to int8 per 4 values, quant_int8.py states the bound against F.linear),
+int8 kernel (x rounded to int8 per 16 values, quant_int8.py states the bound against F.linear),
 F16/BF16 parts through the fp32-activation kernel, and both compute each output row from that
 row alone (the same vectors summed in the same order in a call of 1 row or 1,000). So a token's
 projections do not depend on the batch it is in, the chunk its prompt was cut into or whether

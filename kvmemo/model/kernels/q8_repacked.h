@@ -231,12 +231,14 @@ static inline __m256i dot_quad(__m256i sum, __m256i codes, int32_t x) {
 }
 #endif
 
+#if !defined(HAVE_DOT_VNNI)
 /* Without a VNNI dot, quads whose vpmaddubsw pair sums add in int16 before one vpmaddwd: codes
  * up to 31 give pairs up to 2 * 31 * 127, four of which fit int16; Q6_K's up to 63, two. */
 static inline int int16_quads(int type) {
     const int quads = bit_planes(type) >= 2 ? 2 : 4;
     return quads < GROUP / 4 ? quads : GROUP / 4; /* and never past the activation group */
 }
+#endif
 
 /* Bit i of `bits` as byte i: 0xFF where set, 0 where clear. */
 static inline __m256i expand_bits(uint32_t bits) {

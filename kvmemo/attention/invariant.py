@@ -1,22 +1,24 @@
 """Batch-invariant attention: every query row attends alone, through one kernel, in one pass.
 
 Invariant: a query's output is a function of its own q and the keys and values at positions
-0..p of its sequence (p its position), computed by the decode kernel's per-query loop (tiles of
-the same keys, in the same order, never split over threads), whatever else the step holds: the
-other sequences of a batch, a cascade prefix shared with them, the chunk its prompt was cut into,
+0..p of its sequence (p its position), computed by the decode kernel's per-row arithmetic
+(kernels/row_chunks.h: chunks of 64 keys from the row's first key, each score and each output
+value one fixed chain, never split over threads), whatever else the step holds: the other
+sequences of a batch, a cascade prefix shared with them, the chunk its prompt was cut into,
 whether its earlier keys were computed in this step, came from the prefix cache, the disk store
 or Redis. With row-invariant projections (native weights' kernels) a token's logits, and so the
 tokens and logprobs of a request, do not depend on how the engine batched or cached it.
 
-Why per row and not flash attention over a prefill chunk: the flash kernel's register tiles, its
-softmax chunks and cascade's log-sum-exp merges are all other arithmetic than one query's loop,
-so a prompt's last token would differ between a cold prefill and a decode-sized suffix after a
-cache hit. The price is prefill attention speed (the decode kernel reads a tile per query where
-flash reads it per six); docs/benchmarks.md has the figures.
+Why not flash attention over a prefill chunk: the flash kernel's softmax chunks start where the
+chunk starts and cascade's log-sum-exp merges are other arithmetic than one query's loop, so a
+prompt's last token would differ between a cold prefill and a decode-sized suffix after a cache
+hit. The kernel still shares work between rows: a prefill's rows go in groups that share each
+chunk of keys (transposed once per group, or once per sequence for all its groups), which is
+register blocking, not other arithmetic; docs/benchmarks.md has its cost against flash.
 
-A sliding window is each row's first key (kv_starts): the row's tiles start there, then at page
-boundaries, all fixed by the row's own position (the tables are cropped by whole pages), so a
-windowed row too gets the same bits in any step.
+A sliding window is each row's first key (kv_starts): the row's chunks start there, fixed by the
+row's own position (the tables are cropped by whole pages), so a windowed row too gets the same
+bits in any step.
 
 Steps this plan cannot serve return None from RowPlan.build and take the backend's other paths:
 no C compiler, a head size or group the kernel's buffers do not take, a non-CPU device.
@@ -77,7 +79,7 @@ class RowPlan:
         if (self.table_rows is None and q.dtype == torch.float32 and not kv_cache.is_fp8
                 and kv_cache.dtype == torch.float32 and kernel.write_fits(q, k, v)
                 and metadata.slot_mapping.dtype == torch.int64):
-            # The write folded into the same per-query loop (fp32 in and out: the loop reads
+            # The write folded into the same per-row arithmetic (fp32 in and out: the loop reads
             # q as the unfused call does, so both give the same bits).
             return kernel.write_and_decode(q, k, v, metadata.slot_mapping, k_pages, v_pages,
                                            tables, None, self.kv_lens, scale, split=False,

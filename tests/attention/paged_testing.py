@@ -65,6 +65,7 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     num_kv_heads: int = 2,
     seed: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> Batch:
     """Sequences with `cached` tokens already in shuffled pages and `new` tokens to write now."""
     rng = random.Random(seed)
@@ -72,10 +73,10 @@ def make_batch(
     num_heads = num_kv_heads * group
     num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, new)) + 3
     cache = PagedKVCache.allocate(num_layers=1, num_blocks=num_blocks, block_size=block_size,
-                                  num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, dtype=dtype, device="cpu")
-    full_k = [torch.randn(c + n, num_kv_heads, HEAD_DIM) * (1 + torch.arange(num_kv_heads))[:, None]
+                                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device="cpu")
+    full_k = [torch.randn(c + n, num_kv_heads, head_dim) * (1 + torch.arange(num_kv_heads))[:, None]
               for c, n in zip(cached, new)]
-    full_v = [torch.randn(c + n, num_kv_heads, HEAD_DIM) for c, n in zip(cached, new)]
+    full_v = [torch.randn(c + n, num_kv_heads, head_dim) for c, n in zip(cached, new)]
     if cache.is_fp8:  # scales from the data's per-head maximum, as calibration would
         k_amax = torch.stack([k.abs().amax(dim=(0, 2)) for k in full_k]).amax(0)
         v_amax = torch.stack([v.abs().amax(dim=(0, 2)) for v in full_v]).amax(0)
@@ -92,7 +93,7 @@ def make_batch(
     return Batch(
         cache=cache,
         metadata=md,
-        q=torch.randn(sum(new), num_heads, HEAD_DIM),
+        q=torch.randn(sum(new), num_heads, head_dim),
         new_k=torch.cat([k[c:] for k, c in zip(full_k, cached)]),
         new_v=torch.cat([v[c:] for v, c in zip(full_v, cached)]),
         full_k=full_k,

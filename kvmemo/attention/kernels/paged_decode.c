@@ -2,9 +2,10 @@
  *
  * Invariant: equals softmax(scale * q . K^T) V over keys kv_starts[b] (0 without kv_starts: a
  * sliding window's first visible key) to kv_lens[b] - 1 of sequence b, the keys being block_tables[row_b][first_block + t / bs] slot t % bs of the head-major pages
- * [Hkv, num_blocks, bs, D]. No gather: each (sequence, kv head) walks its own pages, converts a
- * tile of at most TILE keys to fp32 in L1 and keeps an online softmax, so K and V cross memory
- * once (a gather reads them, writes a copy, then SDPA reads the copy again). The G = Hq / Hkv
+ * [Hkv, num_blocks, bs, D]. No gather: each (sequence, kv head) walks its own pages and keeps an
+ * online softmax, so K and V cross memory once (a gather reads them, writes a copy, then SDPA
+ * reads the copy again). The vector path's per-row arithmetic is row_chunks.h's (chunks of 64
+ * keys); bf16 queries on bf16 pages and builds without vectors take the per-tile loop below. The G = Hq / Hkv
  * query heads sharing a kv head share each loaded key tile (grouped-query attention without
  * repeats). Vectors are as wide as the build target's registers (VL: 16 lanes with AVX-512, else 8).
  * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded; a sequence
@@ -22,13 +23,20 @@
 
 #include "../../model/kernels/bf16.h"
 
+/* No reassociation in this file (the build's flags allow it elsewhere): a query's chains of
+ * adds (row_chunks.h) must stay the chains written in every specialisation of the blocked loops,
+ * or a row's bits would depend on its place in a block (gcc once merged two chains). Set for the
+ * whole file so its small helpers still inline into the kernels. */
+#pragma GCC optimize("no-associative-math")
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_FP8_E4M3 = 3 };
 enum { TILE = 16, MAX_D = 256, MAX_GROUP = 32 };
-/* Rows of a prefill chunk attending together over each key tile (attend_rows): at most
- * ROW_GROUP, and as many as keep their states (R x G x D floats) within ROW_STATE_FLOATS (16 KiB,
- * in L1 beside the tile). 430 rows over 7,000 keys (SmolLM2, fp32, 2 threads, Xeon SPR): one row
- * at a time 6.0 s, groups of 4 3.7 s, 8 2.8-3.1 s, 16 2.4-2.5 s, 32 2.7 s (noisy VM). */
-enum { ROW_GROUP = 16, ROW_STATE_FLOATS = 4096 };
+/* Rows of a prefill chunk attending together over each key chunk (attend_rows): at most
+ * ROW_GROUP, and as many as keep their states (R x G x D floats) within ROW_STATE_FLOATS (32
+ * KiB). Per-tile loop, 430 rows over 7,000 keys (SmolLM2, fp32, 2 threads, Xeon SPR): one row at
+ * a time 6.0 s, groups of 4 3.7 s, 8 2.8-3.1 s, 16 2.4-2.5 s, 32 2.7 s (noisy VM); the chunked
+ * path (Zen 4, one layer): groups of 16 46-61 ms, 32 46-50 ms. */
+enum { ROW_GROUP = 32, ROW_STATE_FLOATS = 8192 };
 /* Software prefetch of the pages PREFETCH_TILES tiles ahead, into L2 (locality 1: prefetcht2).
  * Measured at 32 x 1,024 fp32, one thread (ms). AVX-512 EPYC: none 7.6; 2 ahead into L1 7.2; 3-6
  * ahead into L2 4.9-5.1; dense SDPA 5.8 (L1 has too few miss buffers for a page's worth of lines).
@@ -139,41 +147,6 @@ static inline vf sum_lanes(vf *x) {
     return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14)
          + __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
-}
-
-/* s[g * TILE + t] = q_g . K_t for t < n <= TILE. One head and VL keys at a time, so only VL
- * partial sums are live (they fit the register file); K rows are re-read per head from L1. A run
- * of VL keys inside the tile (every run of a full page's tile) is unrolled with q_g's chunks
- * held in registers: written as a loop with a per-key bound check, gcc kept the partial sums on
- * the stack and reloaded q for every key (a third of the kernel's time in W1's decode steps). */
-static inline __attribute__((always_inline)) void vec_scores(
-    const float *restrict qs, const float *restrict K, int64_t n, int G, const int C, float *restrict s) {
-    for (int64_t t0 = 0; t0 < n; t0 += VL) {
-        for (int g = 0; g < G; g++) {
-            const float *q = qs + g * C * VL;
-            vf partial[VL];
-            if (t0 + VL <= n) {
-                vf qv[MAX_CHUNKS];
-                for (int c = 0; c < C; c++) qv[c] = loadv(q + c * VL);
-#pragma GCC unroll 16
-                for (int i = 0; i < VL; i++) {
-                    const float *k = K + (t0 + i) * C * VL;
-                    vf a = (vf){0};
-                    for (int c = 0; c < C; c++) a += qv[c] * loadv(k + c * VL);
-                    partial[i] = a;
-                }
-            } else {
-                for (int64_t i = 0; i < VL; i++) {
-                    const float *k = K + (t0 + i) * C * VL;
-                    vf a = (vf){0};
-                    if (t0 + i < n) /* never read past the tile: its page may end there */
-                        for (int c = 0; c < C; c++) a += loadv(q + c * VL) * loadv(k + c * VL);
-                    partial[i] = a;
-                }
-            }
-            storev(s + g * TILE + t0, sum_lanes(partial));
-        }
-    }
 }
 
 #if defined(__AVX512BF16__) && VL == 16 /* TILE (16) keys per tile: one register of scores */
@@ -338,7 +311,6 @@ static inline __attribute__((always_inline)) void vec_accumulate_group(
 #define VL 1 /* no vector path: the scalar loops below run */
 #define VEC_CHUNKS(D) 0
 static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) { return 0.0f; }
-static inline void vec_scores(const float *qs, const float *K, int64_t n, int G, int C, float *s) {}
 static inline void vec_accumulate(float *acc, float alpha, const float *p, const float *V, int64_t n, int C) {}
 static inline void vec_accumulate_group(float *acc, const float *alpha, const float *p, const float *V, int64_t n, int G, int C) {}
 #endif
@@ -378,6 +350,15 @@ static inline void prefetch_tile(const void *k_pages, const void *v_pages, int d
     }
 }
 
+#ifdef HAVE_VEC
+#include "row_chunks.h"
+#define CH_OR_0 CH
+#else
+#define CH_OR_0 0
+#endif
+/* Keys packed for a step's long prefills (pack_chunk) at most: 64 MiB, else each group packs. */
+#define PACK_CAP_FLOATS ((int64_t)16 << 20)
+
 /* One tile of n keys for one row's G heads: scores, online softmax, accumulate (the per-tile
  * step of attend_rows; one row's whole arithmetic is its calls to this, tile after tile). */
 static inline __attribute__((always_inline)) void attend_tile(
@@ -389,9 +370,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         bf16_scores(q16, k16, n, G, D, qscale, s);
     } else
 #endif
-    if (VEC_CHUNKS(D)) {
-        vec_scores(qs, K, n, G, D / VL, s);
-    } else {
+    {
         for (int64_t t = 0; t < n; t++) {
             for (int g = 0; g < G; g++) {
                 float dot = 0.0f;
@@ -445,7 +424,15 @@ static inline __attribute__((always_inline)) void attend_rows(
     const void *v_pages, int dtype, const int64_t *table, int64_t kv_start, const int64_t *kv_lens,
     int R, int64_t head_offset, int64_t bs, int G, const int64_t D, float *out,
     int64_t out_stride, float *lse, int64_t lse_stride, const float *o_init,
-    const float *lse_init) {
+    const float *lse_init, const float *kT_all) {
+#ifdef HAVE_VEC
+    if (!q16 && VEC_CHUNKS(D)) {
+        attend_rows_chunked(qs, k_pages, v_pages, dtype, table, kv_start, kv_lens, R, head_offset,
+                            bs, G, D, out, out_stride, lse, lse_stride, o_init, lse_init, kT_all);
+        return;
+    }
+#endif
+    (void)kT_all;
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_GROUP * TILE];
     float acc[R * G * D], m[R * G], l[R * G];
     int64_t kv_max = 0;
@@ -609,6 +596,37 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
         }
         firsts[groups] = B;
     }
+    /* Sequences with several row groups (a long prefill chunk) have their keys transposed once
+     * for all their groups (pack_chunk): packed + pack_off[group] + h * pack_chunks[group] * D * CH. */
+    float *packed = NULL;
+    int64_t *pack_off = NULL, *pack_chunks = NULL, *pack_units = NULL, runs = 0;
+#ifdef HAVE_VEC
+    const int q16_path = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128);
+    if (firsts && groups < B && !slots && !kv_starts && !q16_path && VEC_CHUNKS(D) && D < 256) {
+        pack_off = malloc(sizeof(int64_t) * (size_t)(3 * groups + 1));
+        if (!pack_off) { free(firsts); return 3; }
+        pack_chunks = pack_off + groups;
+        pack_units = pack_chunks + groups; /* per run: its first pack unit (run r at group r's slot) */
+        int64_t total = 0;
+        for (int64_t g = 0, end; g < groups; g = end) {
+            const int64_t seq = table_rows[firsts[g]];
+            int64_t keys = 0;
+            for (end = g; end < groups && table_rows[firsts[end]] == seq; end++)
+                for (int64_t b = firsts[end]; b < firsts[end + 1]; b++)
+                    keys = kv_lens[b] > keys ? kv_lens[b] : keys;
+            const int64_t chunks = end - g > 1 ? (keys + CH - 1) / CH : 0;
+            for (int64_t i = g; i < end; i++) {
+                pack_off[i] = chunks ? total : -1;
+                pack_chunks[i] = chunks;
+            }
+            pack_units[runs++] = g;
+            total += Hkv * chunks * D * CH;
+        }
+        pack_units[runs] = groups;
+        if (total > 0 && total <= PACK_CAP_FLOATS) packed = malloc(sizeof(float) * (size_t)total);
+        if (!packed) { free(pack_off); pack_off = NULL; }
+    }
+#endif
     const int64_t row_items = groups * Hkv;
     /* A part's keys: whole pages, the item's pages dealt out evenly (the last part the rest). */
     const int subgroups = head_split(row_items, parts, G, kv_lens, kv_starts, B), Gs = G / subgroups;
@@ -625,6 +643,21 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                            (void *)v_pages, dtype, (h * num_blocks * bs + slots[b]) * D, D);
             }
         }
+#ifdef HAVE_VEC
+        /* The packed sequences' chunks, every (run, kv head, chunk) one unit of work. */
+        for (int64_t r = 0; packed && r < runs; r++) {
+            const int64_t g = pack_units[r], chunks = pack_chunks[g];
+            if (!chunks) continue;
+            const int64_t *table = block_tables + table_rows[firsts[g]] * table_stride + first_block;
+            int64_t keys = 0;
+            for (int64_t b = firsts[g]; b < firsts[pack_units[r + 1]]; b++)
+                keys = kv_lens[b] > keys ? kv_lens[b] : keys;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < Hkv * chunks; u++)
+                pack_chunk(k_pages, dtype, table, u / chunks * num_blocks * bs, bs, D, keys,
+                           u % chunks, packed + pack_off[g] + u / chunks * chunks * D * CH);
+        }
+#endif
 #pragma omp for schedule(dynamic)
         for (int64_t unit = 0; unit < units; unit++) {
             int64_t item = unit / (parts * subgroups), part = unit / subgroups % parts;
@@ -673,9 +706,11 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
             const uint16_t *q16 = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128)
                 ? (const uint16_t *)q + b * q_stride + hq0 * D : NULL;
             const float qscale = scale * LOG2E;
+            const float *kT_all = packed && pack_off[group] >= 0
+                ? packed + pack_off[group] + h * pack_chunks[group] * D * CH_OR_0 : NULL;
             /* Constant D lets the compiler unroll the dot products and V updates fully. */
 #define ATTEND(DIM) attend_rows(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, kv_start, \
-                                row_lens, R, head_offset, bs, Gs, DIM, ob, out_stride, lb, Hq, oi, li)
+                                row_lens, R, head_offset, bs, Gs, DIM, ob, out_stride, lb, Hq, oi, li, kT_all)
             if (D == 64) ATTEND(64);
             else if (D == 128) ATTEND(128);
             else if (D == 256) ATTEND(256);
@@ -718,6 +753,8 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     free(part_o);
     free(part_lse);
     free(firsts);
+    free(pack_off);
+    free(packed);
     return 0;
 }
 

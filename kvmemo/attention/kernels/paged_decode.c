@@ -599,14 +599,16 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     /* Sequences with several row groups (a long prefill chunk) have their keys transposed once
      * for all their groups (pack_chunk): packed + pack_off[group] + h * pack_chunks[group] * D * CH. */
     float *packed = NULL;
-    int64_t *pack_off = NULL, *pack_chunks = NULL, *pack_units = NULL, runs = 0;
+    int64_t *pack_off = NULL, *pack_chunks = NULL, *pack_units = NULL, *pack_keys = NULL, runs = 0;
 #ifdef HAVE_VEC
     const int q16_path = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128);
-    if (firsts && groups < B && !slots && !kv_starts && !q16_path && VEC_CHUNKS(D) && D < 256) {
-        pack_off = malloc(sizeof(int64_t) * (size_t)(3 * groups + 1));
+    if (firsts && groups < B && !slots && !kv_starts && !q16_path && VEC_CHUNKS(D)
+        && D <= LANES_MAX_D) {
+        pack_off = malloc(sizeof(int64_t) * (size_t)(4 * groups + 1));
         if (!pack_off) { free(firsts); return 3; }
         pack_chunks = pack_off + groups;
-        pack_units = pack_chunks + groups; /* per run: its first pack unit (run r at group r's slot) */
+        pack_units = pack_chunks + groups; /* per run: its first group (run r at slot r) */
+        pack_keys = pack_units + groups + 1; /* per run: its sequence's keys */
         int64_t total = 0;
         for (int64_t g = 0, end; g < groups; g = end) {
             const int64_t seq = table_rows[firsts[g]];
@@ -619,6 +621,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 pack_off[i] = chunks ? total : -1;
                 pack_chunks[i] = chunks;
             }
+            pack_keys[runs] = keys;
             pack_units[runs++] = g;
             total += Hkv * chunks * D * CH;
         }
@@ -649,12 +652,9 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
             const int64_t g = pack_units[r], chunks = pack_chunks[g];
             if (!chunks) continue;
             const int64_t *table = block_tables + table_rows[firsts[g]] * table_stride + first_block;
-            int64_t keys = 0;
-            for (int64_t b = firsts[g]; b < firsts[pack_units[r + 1]]; b++)
-                keys = kv_lens[b] > keys ? kv_lens[b] : keys;
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < Hkv * chunks; u++)
-                pack_chunk(k_pages, dtype, table, u / chunks * num_blocks * bs, bs, D, keys,
+                pack_chunk(k_pages, dtype, table, u / chunks * num_blocks * bs, bs, D, pack_keys[r],
                            u % chunks, packed + pack_off[g] + u / chunks * chunks * D * CH);
         }
 #endif

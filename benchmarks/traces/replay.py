@@ -38,6 +38,7 @@ from kvmemo.kv.block_pool import BlockPool
 from kvmemo.kv.eviction import DEFAULT_EVICTION_POLICY
 from kvmemo.kv.eviction import EVICTION_POLICIES as POLICIES
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.kv.keyed_eviction import KEYED_POLICIES
 
 ROOT = BlockHash(b"trace-root")
 
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-admission", default="all", choices=ADMISSIONS,
                         help="what the store writes: every computed block (kvmemo's connector "
                         "today), or only blocks seen twice")
+    parser.add_argument("--store-eviction", default="lru", choices=KEYED_POLICIES,
+                        help="the store's eviction, as kv_store's ?eviction= (default: lru, "
+                        "the disk tier's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     fmt, requests = read_trace(args.trace, args.format, args.limit)
@@ -220,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--capacity-tokens must hold at least one block of --block-tokens (>= 1)")
     capacity = args.capacity_tokens // args.block_tokens
     start = time.perf_counter()
-    store = (StoreTier(args.store_capacity_tokens // args.block_tokens, args.store_admission)
+    store = (StoreTier(args.store_capacity_tokens // args.block_tokens, args.store_admission,
+                       eviction=args.store_eviction)
              if args.store_capacity_tokens else None)
     pool = replay_pool(requests, capacity, args.block_tokens, args.decode_ms_per_token,
                        args.policy, store=store)
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         written = store.counters.written_blocks * args.block_tokens
         report.update({
             "store_capacity_tokens": args.store_capacity_tokens,
-            "store_admission": args.store_admission,
+            "store_admission": args.store_admission, "store_eviction": args.store_eviction,
             "store_hit_ratio": round(pool.store_hit_tokens / max(pool.prompt_tokens, 1), 4),
             "total_hit_ratio": round((pool.hit_tokens + pool.store_hit_tokens)
                                      / max(pool.prompt_tokens, 1), 4),

@@ -2,8 +2,9 @@
 and what it admits: every computed block, as kvmemo's connector writes today, or only blocks
 with a second sighting.
 
-Invariant: the store holds at most `capacity_blocks` ids, evicting its least recently used (a
-read or a write refreshes a block); a request reads a run of consecutive blocks after its device
+Invariant: the store holds at most `capacity_blocks` ids, evicting by the pool's policy in its
+keyed form (kvmemo/kv/keyed_eviction.py: `lru`, least recently written or read first, or
+`aged-arc`, a read entry's age counting less); a request reads a run of consecutive blocks after its device
 hit, and the blocks it then computes are offered for writing. Tail-first within a chain: a
 request's blocks are written and refreshed last to first, so its head, which every longer
 prompt on the chain needs, is evicted last.
@@ -20,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvmemo.kv.keyed_eviction import KEYED_POLICIES, make_keyed_eviction
+
 ADMISSIONS = ("all", "reused")
 
 
@@ -32,16 +35,19 @@ class StoreCounters:
 
 class StoreTier:
     def __init__(self, capacity_blocks: int, admission: str = "all",
-                 doorkeeper_blocks: int | None = None) -> None:
+                 doorkeeper_blocks: int | None = None, eviction: str = "lru") -> None:
         if admission not in ADMISSIONS:
             raise ValueError(f"store admission must be one of {list(ADMISSIONS)}, "
                              f"got {admission!r}")
+        if eviction not in KEYED_POLICIES:
+            raise ValueError(f"store eviction must be one of {list(KEYED_POLICIES)}, "
+                             f"got {eviction!r}")
         if capacity_blocks < 1:
             raise ValueError(f"store capacity must be >= 1 block, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self.admission = admission
         self.doorkeeper_blocks = doorkeeper_blocks or 4 * capacity_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._blocks = make_keyed_eviction(eviction, capacity_blocks)
         self._seen: OrderedDict[int, None] = OrderedDict()
         self.counters = StoreCounters()
 
@@ -51,7 +57,7 @@ class StoreTier:
         while count < len(hash_ids) and hash_ids[count] in self._blocks:
             count += 1
         for hash_id in reversed(hash_ids[:count]):
-            self._blocks.move_to_end(hash_id)
+            self._blocks.touch(hash_id)
         self.counters.read_blocks += count
         return count
 
@@ -66,7 +72,7 @@ class StoreTier:
         """Blocks the request computed, offered for writing (last first)."""
         for hash_id in reversed(hash_ids):
             if hash_id in self._blocks:
-                self._blocks.move_to_end(hash_id)
+                self._blocks.insert(hash_id)  # rewritten: refreshed
             elif self.admission == "all" or self._seen_before(hash_id):
                 self._write(hash_id)
 
@@ -80,8 +86,8 @@ class StoreTier:
         return False
 
     def _write(self, hash_id: int) -> None:
-        self._blocks[hash_id] = None
+        self._blocks.insert(hash_id)
         self.counters.written_blocks += 1
         if len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            self._blocks.pop_victim()
             self.counters.evicted_blocks += 1

@@ -1,4 +1,5 @@
-"""DiskStore: blocks as files <root>/<namespace dir>/<hh>/<hash hex>.kvb, LRU-capped, crash-safe.
+"""DiskStore: blocks as files <root>/<namespace dir>/<hh>/<hash hex>.kvb, capacity-capped by an
+eviction policy (LRU or aged-arc, kvmemo/kv/keyed_eviction.py), crash-safe.
 
 Invariant: a .kvb file is either absent or complete (temp file + fsync + os.replace); a file that
 does not decode (truncated, flipped, foreign) is a miss and is removed; a write failure pauses
@@ -13,7 +14,6 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from kvmemo.connector.store import (
     encode_block,
 )
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.kv.keyed_eviction import make_keyed_eviction
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ _PAUSE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ER
 
 
 class DiskStore:
-    """Owns one namespace directory: its in-memory LRU index, the write queue and writer thread.
+    """Owns one namespace directory: its in-memory index and eviction order, the write queue and
+    writer thread.
 
     Promises: get() returns a validated payload or None and never raises on bad files; put()
     never blocks (a full queue drops the save and counts it); the directory's .kvb bytes stay at
@@ -54,6 +56,7 @@ class DiskStore:
         namespace: StoreNamespace,
         *,
         max_queue_bytes: int = 256 * 2**20,
+        eviction: str = "lru",
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
@@ -66,7 +69,11 @@ class DiskStore:
         except OSError as exc:
             raise ValueError(f"kv_store directory {self.dir} cannot be created: {exc}") from exc
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
+        self._index: dict[bytes, int] = {}  # hash -> file bytes
+        # The victim order over _index's keys: after a restart, files come back oldest mtime
+        # first (a read touches its file), each as written; what aged-arc learned is not kept.
+        capacity_entries = capacity_bytes // max(1, namespace.payload_bytes)
+        self._order = make_keyed_eviction(eviction, capacity_entries)
         self._total_bytes = 0
         self._counter = StatsCounter()
         self._count = self._counter.count
@@ -112,6 +119,7 @@ class DiskStore:
         found.sort()
         for _, key, size in found:
             self._index[key] = size
+            self._order.insert(key)
             self._total_bytes += size
         if found:
             logger.info(
@@ -186,10 +194,9 @@ class DiskStore:
         except OSError:
             pass  # a read-only store still serves; its LRU order just does not advance on disk
         with self._lock:
-            if key not in self._index:
-                self._total_bytes += len(data)
+            self._total_bytes += len(data) - self._index.get(key, 0)
             self._index[key] = len(data)
-            self._index.move_to_end(key)
+            self._order.insert(key)  # a read: refreshed (aged-arc: now a read entry)
         self._count(num_hits=1, bytes_read=len(payload))
         return payload
 
@@ -207,6 +214,7 @@ class DiskStore:
             size = self._index.pop(key, None)
             if size is not None:
                 self._total_bytes -= size
+                self._order.discard(key)
 
     # ---- write -----------------------------------------------------------------------------
 
@@ -262,9 +270,10 @@ class DiskStore:
             self._count(num_saves_dropped=1)
             return
         with self._lock:
-            old = self._index.pop(bytes(block_hash), None)
-            self._total_bytes += len(data) - (old or 0)
-            self._index[bytes(block_hash)] = len(data)
+            key = bytes(block_hash)
+            self._total_bytes += len(data) - self._index.get(key, 0)
+            self._index[key] = len(data)
+            self._order.insert(key)
         self._count(bytes_written=len(data), save_s=time.perf_counter() - start)
         self._evict_over_capacity()
 
@@ -276,12 +285,14 @@ class DiskStore:
             )
 
     def _evict_over_capacity(self) -> None:
-        """Removes least recently used files until the directory is under capacity."""
+        """Removes the policy's victims until the directory is under capacity."""
         while True:
             with self._lock:
                 if self._total_bytes <= self.capacity_bytes or not self._index:
                     return
-                key, size = self._index.popitem(last=False)
+                key = self._order.pop_victim()
+                assert isinstance(key, bytes)  # the order holds _index's keys only
+                size = self._index.pop(key)
                 self._total_bytes -= size
             _remove_quietly(self.path_of(BlockHash(key)))
             self._count(num_evicted=1)

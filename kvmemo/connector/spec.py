@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
+from kvmemo.kv.keyed_eviction import KEYED_POLICIES
 from kvmemo.units import parse_size_bytes
 
 DEFAULT_CAPACITY_BYTES = 10 * 2**30
 DEFAULT_REDIS_TIMEOUT_S = 0.5
-_FORM = "'disk:/path', 'disk:/path?capacity=20GiB' or 'redis://host:6379/0?timeout=0.5'"
+_FORM = ("'disk:/path', 'disk:/path?capacity=20GiB&eviction=aged-arc' or "
+         "'redis://host:6379/0?timeout=0.5'")
 _REDIS_SCHEMES = ("redis", "rediss")
 
 
@@ -24,6 +26,7 @@ class KVStoreSpec:
     path: str  # disk: the store's root directory; redis: the server URL without our options
     capacity_bytes: int | None = None  # disk: per namespace directory; redis: None (maxmemory)
     timeout_s: float | None = None  # redis: socket connect/read timeout; disk: None
+    eviction: str = "lru"  # disk: KEYED_POLICIES; redis: the server's maxmemory-policy decides
 
 
 def parse_kv_stores(value: str | list[str] | tuple[str, ...]) -> tuple[KVStoreSpec, ...]:
@@ -49,8 +52,11 @@ def parse_kv_store(spec: str) -> KVStoreSpec:
     """'disk:/data/kv?capacity=20GiB' -> KVStoreSpec("disk", "/data/kv", 20 GiB);
     'redis://h:6379/0?timeout=0.2' -> KVStoreSpec("redis", "redis://h:6379/0", None, 0.2).
 
-    capacity is optional (default 10GiB) and takes the sizes kv_cache_memory takes; timeout is
-    optional (default 0.5 s), the longest one Redis call may hold the engine thread.
+    capacity is optional (default 10GiB) and takes the sizes kv_cache_memory takes; eviction is
+    optional (default lru; aged-arc is the pool's default policy in its keyed form, which gains
+    where the directory is small beside the traffic and loses a little where it is about 2x the
+    pool: docs/connector.md); timeout is optional (default 0.5 s), the longest one Redis call may
+    hold the engine thread.
     """
     if not isinstance(spec, str):
         raise ValueError(f"kv_store must be a string of the form {_FORM}, got {spec!r}")
@@ -65,13 +71,19 @@ def parse_kv_store(spec: str) -> KVStoreSpec:
     if not path:
         raise ValueError(f"kv_store needs a directory path, of the form {_FORM}, got {spec!r}")
     capacity_bytes = DEFAULT_CAPACITY_BYTES
+    eviction = "lru"
     for key, value in _options(spec, query):
-        if key != "capacity":
-            raise ValueError(
-                f"kv_store option {key!r} is unknown for disk; allowed: capacity ({_FORM})"
-            )
-        capacity_bytes = _size(value)
-    return KVStoreSpec(kind=kind, path=path, capacity_bytes=capacity_bytes)
+        if key == "capacity":
+            capacity_bytes = _size(value)
+        elif key == "eviction":
+            if value not in KEYED_POLICIES:
+                raise ValueError(f"kv_store disk eviction must be one of {list(KEYED_POLICIES)}, "
+                                 f"got {value!r} ({_FORM})")
+            eviction = value
+        else:
+            raise ValueError(f"kv_store option {key!r} is unknown for disk; allowed: capacity, "
+                             f"eviction ({_FORM})")
+    return KVStoreSpec(kind=kind, path=path, capacity_bytes=capacity_bytes, eviction=eviction)
 
 
 def _parse_redis(spec: str) -> KVStoreSpec:

@@ -152,11 +152,11 @@ def build_kv_connector(
             from kvmemo.connector.disk import DiskStore
 
             assert spec.capacity_bytes is not None
-            disk = DiskStore(spec.path, spec.capacity_bytes, namespace)
+            disk = DiskStore(spec.path, spec.capacity_bytes, namespace, eviction=spec.eviction)
             tiers.append((name, disk))
             logger.info(
-                "KV store tier %s: %s (capacity %.1f GiB)",
-                name, disk.dir, spec.capacity_bytes / 2**30,
+                "KV store tier %s: %s (capacity %.1f GiB, eviction %s)",
+                name, disk.dir, spec.capacity_bytes / 2**30, spec.eviction,
             )
     # One store is used as is (its own type stays visible); several become one TieredStore.
     store: BlockStore = tiers[0][1] if len(tiers) == 1 else TieredStore(tiers)

@@ -22,7 +22,7 @@ policy's structure with check_links() in its invariant checker.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Protocol
 
 from kvmemo.kv.block import Block
@@ -59,22 +59,23 @@ class LRUPolicy(FreeBlockQueue[Block]):
 
 
 class Ghost:
-    """Keys of recently evicted blocks, oldest first, at most `capacity` (a bounded FIFO set)."""
+    """Keys of recently evicted blocks (or store entries), oldest first, at most `capacity` (a
+    bounded FIFO set)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._keys: OrderedDict[GhostKey, None] = OrderedDict()
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: GhostKey) -> None:
+    def add(self, key: Hashable) -> None:
         self._keys[key] = None
         self._keys.move_to_end(key)
         if len(self._keys) > self.capacity:
             self._keys.popitem(last=False)
 
-    def take(self, key: GhostKey) -> bool:
+    def take(self, key: Hashable) -> bool:
         """True (and forgets it) if `key` was evicted recently."""
         return self._keys.pop(key, 0) is None
 
@@ -254,31 +255,59 @@ class ARCPolicy(SegmentedQueues):
         self.regroup_unhashed()
 
 
+class Favour:
+    """aged-arc's one learned number: how many times less a reused entry's age counts against a
+    never-reused one's when choosing the victim. A ghost hit on a reused entry (B2: reuse was
+    evicted too early) raises it by 1%; one on a never-reused entry (B1) lowers it by 0.3%, never
+    below 1, where the choice is LRU's exactly. Shared by the pool's policy and the store tiers'
+    (kvmemo/kv/keyed_eviction.py), so both learn by one rule.
+
+    Why B2 hits weigh about 3x B1 hits: a reused block is a conversation past its first turn, and
+    those come back more often (in Mooncake's trace 42-75% of later turns get a next one, 31% of
+    first turns), so evicting one too early costs more; with equal steps the policy gains half
+    as much below 3M tokens (docs/benchmarks.md).
+    """
+
+    STEP_UP = 1.01  # on a B2 ghost hit
+    STEP_DOWN = 1.003  # on a B1 ghost hit
+    MAX_FAVOUR = 64.0
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+    def new_goes_first(self, age_new: int, age_reused: int) -> bool:
+        """With a never-reused and a reused candidate, each `age` ticks old: is the first the
+        victim?"""
+        return self.value * age_new >= age_reused
+
+    def reused_evicted_too_early(self) -> None:
+        self.value = min(self.MAX_FAVOUR, self.value * self.STEP_UP)
+
+    def new_evicted_too_early(self) -> None:
+        self.value = max(1.0, self.value / self.STEP_DOWN)
+
+    def reset(self) -> None:
+        self.value = 1.0
+
+
 class AgedARCPolicy(ARCPolicy):
     """ARC's two lists and ghosts, with LRU's victim: the older of the two heads, where a reused
-    block's age counts `favour` times less. A ghost hit on a reused block (B2: reuse was evicted
-    too early) raises `favour` by 1%; one on a never-reused block (B1) lowers it by 0.3%, never
-    below 1, where the policy is LRU exactly. It starts there, and leaves it only on evidence.
+    block's age counts `favour` times less (Favour: learned from the ghosts' hits, starting at
+    1, where the policy is LRU exactly, and leaving it only on evidence).
 
     Why not ARC's size target: ARC keeps T2 (reused blocks) large whatever their age, and on
     Mooncake's trace loses to LRU from 15M tokens up (0.320 against 0.331 at 15M, 0.334 against
     0.358 at 20M), where LRU already holds a conversation until its next turn. Comparing ages
     keeps LRU's order where LRU is right, and gives reused blocks longer only as far as the
-    ghosts show that it pays. Why B2 hits weigh about 3x B1 hits: a reused block is a
-    conversation past its first turn, and those come back more often (in that trace 42-75% of
-    later turns get a next one, 31% of first turns), so evicting one too early costs more; with
-    equal steps the policy gains half as much below 3M tokens (docs/benchmarks.md). Ages are
-    counted in frees (a logical clock), so there is no time constant to tune.
+    ghosts show that it pays. Ages are counted in frees (a logical clock), so there is no time
+    constant to tune.
     """
 
     name = "aged-arc"
-    STEP_UP = 1.01  # on a B2 ghost hit
-    STEP_DOWN = 1.003  # on a B1 ghost hit
-    MAX_FAVOUR = 64.0
 
     def __init__(self, blocks: list[Block]) -> None:
         super().__init__(blocks)
-        self.favour = 1.0
+        self.favour = Favour()
         self.clock = 0
         self.freed_at = [0] * len(blocks)  # per block id, the clock when it was last freed
 
@@ -294,21 +323,20 @@ class AgedARCPolicy(ARCPolicy):
     def _t1_goes_first(self) -> bool:
         new, reused = self.segments[self.NEW].peek(), self.segments[self.REUSED].peek()
         assert new is not None and reused is not None
-        age_new = self.clock - self.freed_at[new.block_id]
-        age_reused = self.clock - self.freed_at[reused.block_id]
-        return self.favour * age_new >= age_reused
+        return self.favour.new_goes_first(self.clock - self.freed_at[new.block_id],
+                                          self.clock - self.freed_at[reused.block_id])
 
     def note_commit(self, key: GhostKey, block: Block) -> None:
         if self.b1.take(key):
-            self.favour = max(1.0, self.favour / self.STEP_DOWN)
+            self.favour.new_evicted_too_early()
             block.reuses = 1
         elif self.b2.take(key):
-            self.favour = min(self.MAX_FAVOUR, self.favour * self.STEP_UP)
+            self.favour.reused_evicted_too_early()
             block.reuses = 1
 
     def clear_history(self) -> None:
         super().clear_history()
-        self.favour = 1.0
+        self.favour.reset()
 
 
 EVICTION_POLICIES = ("lru", "aged-arc", "arc", "s3fifo")

@@ -167,6 +167,39 @@ def test_capacity_evicts_least_recently_used(tmp_path, namespace):
     assert restarted.total_bytes <= capacity
 
 
+def test_aged_arc_eviction_favours_a_block_read_before(tmp_path, namespace):
+    """eviction=aged-arc: block R is read, evicted and written again (its ghost says reads were
+    evicted too early, so read blocks' ages now count 1% less); R then outlives F, an unread
+    block written one tick after it, where LRU evicts R."""
+    file_bytes = len(encode_block(namespace, block_hash(0), payload(namespace, 0)))
+    R, A, B, C, F, G = range(6)
+    survivors = {}
+    for eviction in ("lru", "aged-arc"):
+        store = _store(tmp_path / eviction, namespace, capacity_bytes=3 * file_bytes,
+                       eviction=eviction)
+
+        def write(i):
+            store.put(block_hash(i), payload(namespace, i))
+            store.flush()
+
+        def on_disk():
+            return {i for i in range(6) if store.path_of(block_hash(i)).exists()}
+
+        write(R)
+        assert store.get(block_hash(R)) is not None
+        for i in (A, B, C):
+            write(i)
+        assert on_disk() == {A, B, C}  # R was the oldest under both
+        write(R)
+        write(F)
+        assert on_disk() == {C, R, F}
+        for _ in range(112):  # C is read: R and F become the two oldest, F one tick newer
+            assert store.get(block_hash(C)) is not None
+        write(G)
+        survivors[eviction] = on_disk()
+    assert survivors == {"lru": {C, F, G}, "aged-arc": {C, R, G}}
+
+
 def test_permission_denied_pauses_saving_with_one_warning(tmp_path, namespace, caplog, monkeypatch):
     store = _store(tmp_path, namespace)
     store.put(block_hash(0), payload(namespace, 0))

@@ -17,6 +17,14 @@ def test_parse_defaults_and_capacity():
     )
     assert parse_kv_store("disk:/data/kv?capacity=20GiB").capacity_bytes == 20 * 2**30
     assert parse_kv_store("disk:rel/dir?capacity=512MiB").path == "rel/dir"
+    assert spec.eviction == "lru"
+    spec = parse_kv_store("disk:/d?capacity=1GiB&eviction=aged-arc")
+    assert (spec.capacity_bytes, spec.eviction) == (2**30, "aged-arc")
+
+
+def test_bad_eviction_names_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"eviction must be one of \['lru', 'aged-arc'\], got 'lfu'"):
+        parse_kv_store("disk:/d?eviction=lfu")
 
 
 @pytest.mark.parametrize(
@@ -31,6 +39,8 @@ def test_parse_defaults_and_capacity():
         "disk:/x?size=1GiB",
         "disk:/x?capacity",
         "disk:/x?capacity=-1GiB",
+        "disk:/x?eviction=",
+        "disk:/x?eviction=s3fifo",
     ],
 )
 def test_bad_spec_names_kv_store_and_the_form(spec):

@@ -19,6 +19,30 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _share_gguf_readers() -> None:
+    """transformers' GGUF loading (the oracle) parses a file's header with gguf-py's GGUFReader
+    once for the config, again for the weights, and again for a tokenizer: about 20 s each for
+    Gemma 3's 262k-token vocabulary. A reader only reads its file (a read-only memmap), so one
+    per file serves every load of the session; what transformers builds from it is unchanged."""
+    import functools
+
+    import gguf
+
+    reader_class = gguf.GGUFReader
+
+    @functools.lru_cache(maxsize=4)
+    def read(path: str, mode: str) -> gguf.GGUFReader:
+        return reader_class(path, mode)
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+        return read(os.fspath(path), mode) if mode == "r" else reader_class(path, mode)
+
+    gguf.GGUFReader = shared_reader  # type: ignore[assignment, misc]
+
+
+_share_gguf_readers()
+
+
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     from kvmemo.model.loading.loader import bundled_model_path

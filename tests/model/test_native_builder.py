@@ -35,3 +35,22 @@ def test_a_changed_local_header_rebuilds_the_kernel(tmp_path, monkeypatch) -> No
         # (x86-64-v2: a target none of KVMEMO_ISA's levels builds, so it is "another" under each)
         assert _value(load_library(source, "test", march="x86-64-v2")) == 42
         assert len(list((tmp_path / "cache" / "kernels").glob("k-*.so"))) == 3
+
+
+def test_a_build_is_reused_and_a_broken_cache_entry_is_rebuilt(tmp_path, monkeypatch) -> None:
+    source = tmp_path / "k.c"
+    source.write_text("int answer(void) { return 7; }\n")
+    monkeypatch.setenv("KVMEMO_CACHE_DIR", str(tmp_path / "a"))
+    assert _value(load_library(source, "test")) == 7
+    (first,) = (tmp_path / "a" / "kernels").glob("k-*.so")
+    built_at = first.stat().st_mtime_ns
+    assert _value(load_library(source, "test")) == 7
+    assert first.stat().st_mtime_ns == built_at  # reused, not rebuilt
+    # A damaged entry under the same name in another cache dir (never overwrite a loaded
+    # library in place: the process maps it).
+    broken = tmp_path / "b" / "kernels" / first.name
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not an ELF file")
+    monkeypatch.setenv("KVMEMO_CACHE_DIR", str(tmp_path / "b"))
+    assert _value(load_library(source, "test")) == 7
+    assert broken.read_bytes()[:4] == b"\x7fELF"  # rebuilt

@@ -366,7 +366,8 @@ static inline __attribute__((always_inline)) void attend_rows_chunked(
         for (int64_t at = c0 + CH; at < kv_max && at < c0 + 2 * CH; at += step)
             prefetch_tile(k_pages, v_pages, dtype, table, at, kv_max, head_offset, bs, D);
         const int lo = (int)(first - c0);
-        if (kT_all) { /* this sequence's keys, packed once for all its groups */
+        if (D <= LANES_MAX_D && kT_all) { /* this sequence's keys, packed once for its groups
+                                            * (never past LANES_MAX_D: no code for it there) */
             chunk_scores(qs, kT_all + c0 / CH * D * CH, RH, D, s);
         } else if (RH >= LANES_MIN_ROWS && D <= LANES_MAX_D) {
             transpose_chunk(krow, D, kT);

@@ -14,9 +14,11 @@ from gguf.quants import dequantize, quantize
 from kvmemo.model.kernels.quant_linear import (
     NATIVE_TYPES,
     QuantizedWeight,
+    dequantize_rows_into,
     native_kernel_available,
     quant_linear,
 )
+from kvmemo.model.loading.gguf import dequantize_tensor
 
 pytestmark = pytest.mark.skipif(not native_kernel_available(), reason="no C compiler")
 T = GGMLQuantizationType
@@ -55,6 +57,19 @@ def test_rows_equal_gguf_dequantize(qtype: GGMLQuantizationType) -> None:
     assert torch.equal(weight.dequantize(), expected)
     ids = torch.tensor([6, 0, 3, 3])
     assert torch.equal(weight.rows(ids), expected[ids])
+
+
+@pytest.mark.parametrize("qtype", types(), ids=lambda t: t.name)
+def test_the_loaders_dequantize_equals_gguf_py(qtype: GGMLQuantizationType) -> None:
+    """The dense mode's load (model/loading/gguf.py) dequantizes by this kernel: bit for bit
+    gguf-py's values, for a 3-d tensor too (its rows are the leading dimensions' product)."""
+    values, _ = GGML_QUANT_SIZES[qtype]
+    num_cols = 2 * max(values, 32)
+    raw = random_blocks(qtype, 6, num_cols, seed=3).view(np.uint8).reshape(2, 3, -1)  # file bytes
+    got = dequantize_tensor("w", raw, qtype)
+    assert got.shape == (2, 3, num_cols)
+    assert torch.equal(got, torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
+    assert dequantize_rows_into(raw, qtype, torch.empty_like(got))  # the kernel's path, not NumPy
 
 
 @pytest.mark.parametrize("qtype", types(), ids=lambda t: t.name)

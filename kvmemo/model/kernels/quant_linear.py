@@ -148,6 +148,24 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor | N
     return out
 
 
+def dequantize_rows_into(data: np.ndarray, qtype: GGMLQuantizationType, out: torch.Tensor
+                         ) -> bool:
+    """GGUF rows `data` (uint8 [rows, bytes per row]) of a NATIVE_TYPES weight -> `out` (fp32,
+    contiguous, [rows, values per row]) by the kernel, the same values gguf-py's dequantize
+    gives (this file's invariant), in a fraction of its time: loading the dense mode spent
+    0.6 s of its 1.4 s in gguf-py's NumPy. False, with nothing written, where the kernel is
+    not built here or the type is not one it reads."""
+    lib = _library()
+    if lib is None or qtype not in NATIVE_TYPES or not out.is_contiguous():
+        return False
+    rows = np.ascontiguousarray(data.reshape(-1, data.shape[-1]))
+    num_cols = out.numel() // max(1, rows.shape[0])
+    status = lib.rows(rows.ctypes.data, int(qtype), None, rows.shape[0], num_cols,
+                      out.data_ptr())
+    assert status == 0, f"quant_rows status {status}"
+    return True
+
+
 def _require() -> _Library:
     lib = _library()
     if lib is None:

@@ -81,8 +81,12 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight
     num_panels = -(-n // cols)
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     steps = -(-k // pair)
-    padded = F.pad(weight.detach(), (0, steps * pair - k, 0, num_panels * cols - n))
-    panels = padded.reshape(num_panels, cols, steps, pair).permute(0, 2, 1, 3).contiguous()
+    padded = weight.detach()
+    if (n, k) != (num_panels * cols, steps * pair):  # a copy only where there are edges
+        padded = F.pad(padded, (0, steps * pair - k, 0, num_panels * cols - n))
+    # One copy into the panel layout (a vocabulary's head is hundreds of MB: no extra pass).
+    panels = torch.empty(num_panels, steps, cols, pair, dtype=weight.dtype)
+    panels.permute(0, 2, 1, 3).copy_(padded.reshape(num_panels, cols, steps, pair))
     if pair == 1:
         panels = panels.squeeze(-1)
     bias32 = None if bias is None else bias.detach().float().contiguous()

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_from_byte_shape
 
 from kvmemo.model.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
-from kvmemo.model.kernels.quant_linear import NATIVE_TYPES, QuantizedWeight
+from kvmemo.model.kernels.quant_linear import NATIVE_TYPES, QuantizedWeight, dequantize_rows_into
 from kvmemo.model.loading.gguf_header import GGUFFile, TensorInfo
 from kvmemo.model.models.registry import LLAMA_GGUF_LAYER_NAMES, architecture_spec
 
@@ -140,6 +140,8 @@ def dequantize_into(
         )
     if unpermute_heads is not None:
         out.copy_(reverse_llama_permute(dequantize_tensor(name, data, qtype), unpermute_heads))
+        return
+    if out.numel() and dequantize_rows_into(data, qtype, out):
         return
     quant = _GGUF_TRAITS.get(qtype)
     if quant is not None:

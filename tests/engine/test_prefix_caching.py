@@ -93,16 +93,24 @@ def test_requests_arriving_mid_decode(llm, cold):
     assert all(o.metrics.num_cached_tokens > 0 for o in warm[1:])
 
 
-@pytest.mark.parametrize("policy", EVICTION_POLICIES)
-def test_small_cache_forces_evictions_and_output_stays_identical(cold, policy):
-    small = LLM(num_blocks=14, eviction_policy=policy)
+def _one_at_a_time(llm: LLM) -> list:
+    """Eight chats in turn (the odd ones a single message): in a small pool each evicts older
+    blocks."""
     outs = []
-    for conversation in conversations()[:8]:  # one at a time: each evicts older blocks
-        outs += small.chat([conversation[1]] if len(outs) % 2 else conversation, GREEDY, use_tqdm=False)
-    ref = []
     for i, conversation in enumerate(conversations()[:8]):
-        ref += cold.chat([conversation[1]] if i % 2 else conversation, GREEDY, use_tqdm=False)
-    assert tokens(outs) == tokens(ref)
+        outs += llm.chat([conversation[1]] if i % 2 else conversation, GREEDY, use_tqdm=False)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def uncached_one_at_a_time(cold) -> list:
+    return tokens(_one_at_a_time(cold))
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_small_cache_forces_evictions_and_output_stays_identical(uncached_one_at_a_time, policy):
+    small = LLM(num_blocks=14, eviction_policy=policy)
+    assert tokens(_one_at_a_time(small)) == uncached_one_at_a_time
     assert small.get_metrics().prefix_cache_evicted_blocks > 0
     assert_all_blocks_free(small)
 

@@ -30,19 +30,21 @@ QUESTION = [{"role": "user", "content": "What is the weather in Oslo, in Celsius
 
 @pytest.mark.model
 def test_required_and_named_choices_always_give_valid_calls(llm):
-    runs = [("required", False)] * 10 + [({"type": "function", "function": {"name": "add"}},
-                                          True)] * 10
-    for seed, (choice, parallel) in enumerate(runs):
-        out = llm.chat(QUESTION, SamplingParams(max_tokens=80, temperature=1.0, seed=seed),
-                       tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
-                       use_tqdm=False)[0].outputs[0]
-        assert out.finish_reason == "tool_calls", out.text
-        assert len(out.tool_calls) == 1
-        function = out.tool_calls[0]["function"]
-        if isinstance(choice, dict):
-            assert function["name"] == "add"
-        jsonschema.validate(json.loads(function["arguments"]), SCHEMAS[function["name"]])
-        assert out.tool_calls[0]["id"].startswith("call_")
+    """Ten seeded samples per choice, each batch in one call (a seeded request samples the same
+    alone or batched, tests/engine/test_sampling.py)."""
+    for choice, parallel in (("required", False),
+                             ({"type": "function", "function": {"name": "add"}}, True)):
+        params = [SamplingParams(max_tokens=80, temperature=1.0, seed=seed) for seed in range(10)]
+        outs = llm.chat([QUESTION] * 10, params, tools=TOOLS, tool_choice=choice,
+                        parallel_tool_calls=parallel, use_tqdm=False)
+        for out in (o.outputs[0] for o in outs):
+            assert out.finish_reason == "tool_calls", out.text
+            assert len(out.tool_calls) == 1
+            function = out.tool_calls[0]["function"]
+            if isinstance(choice, dict):
+                assert function["name"] == "add"
+            jsonschema.validate(json.loads(function["arguments"]), SCHEMAS[function["name"]])
+            assert out.tool_calls[0]["id"].startswith("call_")
 
 
 @pytest.mark.model

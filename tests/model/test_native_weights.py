@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from kvmemo import LLM, SamplingParams
 from kvmemo.attention.metadata import AttentionMetadata
-from kvmemo.model.kernels.quant_int8 import GROUP, quantize_activations
+from kvmemo.model.kernels.quant_int8 import activation_group, quantize_activations
 from kvmemo.model.kernels.quant_linear import QuantizedWeight, native_kernel_available
 from kvmemo.model.layers.native_linear import NativeLinear
 from kvmemo.model.loading.gguf import load_gguf
@@ -211,7 +211,7 @@ def test_native_rows_do_not_depend_on_the_rows_beside_them() -> None:
             assert torch.equal(linear(x[start:start + rows]), whole[start:start + rows])
     quantized = dense[:80]  # the int8 kernel's columns: within half an int8 code per value
     _, scales = quantize_activations(x)
-    bound = (scales.repeat_interleave(GROUP, dim=1) / 2) @ quantized.abs().T
+    bound = (scales.repeat_interleave(activation_group(), dim=1) / 2) @ quantized.abs().T
     assert bool(((whole[:, :80] - x @ quantized.T).abs() <= bound * 1.001 + 1e-4).all())
     f16 = dense[80:].double()  # F16: fp32 activations, fp32 sums in the kernel's order
     error = (whole[:, 80:].double() - x.double() @ f16.T).abs()

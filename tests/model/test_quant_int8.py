@@ -23,10 +23,10 @@ from gguf.quants import dequantize
 
 from kvmemo.model.kernels import quant_int8
 from kvmemo.model.kernels.quant_int8 import (
-    GROUP,
     INT8_TYPES,
     Fused,
     Int8Weights,
+    activation_group,
     int8_kernel_available,
     mlp_block,
     quantize_activations,
@@ -35,6 +35,8 @@ from kvmemo.model.kernels.quant_linear import QuantizedWeight
 from kvmemo.model.layers.basic import apply_rotary
 from kvmemo.native import cpu_flags as native_cpu_flags
 from tests.model.test_quant_linear import random_blocks
+
+GROUP = 16  # activation values per int8 scale: the documented contract (kernels/quant_int8.c)
 
 pytestmark = pytest.mark.skipif(not int8_kernel_available(), reason="no C compiler")
 T = GGMLQuantizationType
@@ -82,6 +84,7 @@ def test_activation_codes_are_round_to_nearest_with_scale_amax_over_127() -> Non
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[2, 32:48] = 0.0  # an all-zero group: scale 0, codes 0
     codes, scales = quantize_activations(x)
+    assert activation_group() == GROUP
     amax = x.abs().view(5, 96 // GROUP, GROUP).amax(-1)  # a scale per GROUP values
     torch.testing.assert_close(scales, amax * (1 / 127), rtol=1e-6, atol=0)
     ratio = x.view(5, 96 // GROUP, GROUP) / scales.clamp_min(1e-30)[..., None]

@@ -37,6 +37,9 @@
 enum { MAX_M = 32 };
 enum { GROUP = 16 }; /* activation values per int8 scale: 4 or 16 (lanes of 4 codes) */
 
+/* GROUP for Python (quant_int8.py reads it here: stated once). */
+int kvmemo_q8_group(void) { return GROUP; }
+
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef uint8_t v32u8 __attribute__((vector_size(32)));
 

@@ -1,7 +1,8 @@
 """Products of activations quantized to int8 (any row count) with GGUF-quantized weights.
 
 Invariant: Int8Weights([w])(x) equals F.linear(x', w.dequantize()) to fp32 rounding, where x' is
-x rounded to int8 codes per GROUP (16) values (scale amax / 127: quantize_activations), so it
+x rounded to int8 codes per group of 16 values (the C file's GROUP; scale amax / 127:
+quantize_activations), so it
 differs from F.linear(x, W) by at most sum_k |W[n, k]| * scale_k / 2 (kernels/quant_int8.c).
 Why: the integer dot product of 32 codes is one VNNI instruction (AVX512-VNNI, AVX-VNNI; two on
 AVX2), where the fp32-activation kernel (quant_linear.py) dequantizes each weight block to floats
@@ -34,7 +35,6 @@ SOURCE = Path(__file__).with_name("quant_int8.c")
 T = GGMLQuantizationType
 INT8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
 BLOCK = 32  # values per weight run (the kernel's unit; K must be a multiple)
-GROUP = 16  # activation values per int8 scale (kernels/quant_int8.c)
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -46,6 +46,7 @@ class _Library:
     mlp_block: Callable[..., int]
     repacked_bytes: Callable[..., int]
     repack: Callable[..., int]
+    group: int  # activation values per int8 scale: the kernel's GROUP, stated there only
 
 
 @cache
@@ -72,7 +73,9 @@ def kernel_library(march: str = "native") -> _Library | None:
     repack = library.kvmemo_q8_repack
     repack.restype = ctypes.c_int
     repack.argtypes = [ctypes.c_int, _p, _i64, _i64, _i64, _p]
-    return _Library(quantize, linear, mlp_block, repacked_bytes, repack)
+    library.kvmemo_q8_group.restype = ctypes.c_int
+    return _Library(quantize, linear, mlp_block, repacked_bytes, repack,
+                    int(library.kvmemo_q8_group()))
 
 
 MAX_PARTS = 8  # the kernel's limit of weights per product
@@ -333,22 +336,29 @@ def mlp_block(attn: torch.Tensor, hidden: torch.Tensor, o_proj: Int8Weights,
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32, K a multiple of 32 -> (codes int8 [M, K], scales fp32 [M, K/GROUP]):
-    the quantization the kernel applies (what the product's error bound is stated against)."""
+    """x [M, K] fp32, K a multiple of 32 -> (codes int8 [M, K], scales fp32 [M, K/group]):
+    the quantization the kernel applies (what the product's error bound is stated against),
+    with activation_group() values per scale."""
     lib = _require()
+    group = lib.group
     if x.dim() != 2 or x.shape[1] % BLOCK or x.dtype != torch.float32:
         raise ValueError(f"x must be fp32 [M, K] with K a multiple of {BLOCK}, got "
                          f"{x.dtype} {tuple(x.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     rows, cols = x.shape
     codes = torch.empty(rows, cols, dtype=torch.int8)
-    lanes = GROUP // 4  # the kernel's layout: a scale per lane of 4 codes
-    layout = torch.empty(rows, 2, cols // BLOCK, BLOCK // GROUP, lanes, dtype=torch.float32)
+    lanes = group // 4  # the kernel's layout: a scale per lane of 4 codes
+    layout = torch.empty(rows, 2, cols // BLOCK, BLOCK // group, lanes, dtype=torch.float32)
     status = lib.quantize(
         x.data_ptr(), rows, cols, x.stride(0), codes.data_ptr(), layout.data_ptr()
     )
     assert status == 0, f"quantize_q8 status {status}"
-    return codes, layout[:, 0, :, :, 0].reshape(rows, cols // GROUP)
+    return codes, layout[:, 0, :, :, 0].reshape(rows, cols // group)
+
+
+def activation_group() -> int:
+    """Activation values per int8 scale (the built kernel's GROUP)."""
+    return _require().group
 
 
 def _require() -> _Library:

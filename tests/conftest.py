@@ -31,11 +31,14 @@ def _share_gguf_readers() -> None:
     reader_class = gguf.GGUFReader
 
     @functools.lru_cache(maxsize=4)
-    def read(path: str, mode: str) -> gguf.GGUFReader:
+    def read(path: str, mode: str, version: tuple[int, int]) -> gguf.GGUFReader:
         return reader_class(path, mode)
 
     def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
-        return read(os.fspath(path), mode) if mode == "r" else reader_class(path, mode)
+        if mode != "r":
+            return reader_class(path, mode)
+        status = os.stat(path)  # a file rewritten in place is read again
+        return read(os.fspath(path), mode, (status.st_mtime_ns, status.st_size))
 
     gguf.GGUFReader = shared_reader  # type: ignore[assignment, misc]
 

@@ -4,8 +4,8 @@ with a second sighting.
 
 Invariant: the store holds at most `capacity_blocks` ids, evicting by the pool's policy in its
 keyed form (kvmemo/kv/keyed_eviction.py: `lru`, least recently written or read first, or
-`aged-arc`, a read entry's age counting less); a request reads a run of consecutive blocks after its device
-hit, and the blocks it then computes are offered for writing. Tail-first within a chain: a
+`aged-arc`, a read entry's age counting less); a request reads a run of consecutive blocks after
+its device hit, and the blocks it then computes are offered for writing. Tail-first within a chain: a
 request's blocks are written and refreshed last to first, so its head, which every longer
 prompt on the chain needs, is evicted last.
 

@@ -54,9 +54,9 @@ def parse_kv_store(spec: str) -> KVStoreSpec:
 
     capacity is optional (default 10GiB) and takes the sizes kv_cache_memory takes; eviction is
     optional (default lru; aged-arc is the pool's default policy in its keyed form, which gains
-    where the directory is small beside the traffic and loses a little where it is about 2x the
-    pool: docs/connector.md); timeout is optional (default 0.5 s), the longest one Redis call may
-    hold the engine thread.
+    where the directory is small beside the traffic and its pool, and loses where it holds less
+    than about twice a large pool: docs/connector.md); timeout is optional (default 0.5 s), the
+    longest one Redis call may hold the engine thread.
     """
     if not isinstance(spec, str):
         raise ValueError(f"kv_store must be a string of the form {_FORM}, got {spec!r}")

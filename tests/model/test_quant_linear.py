@@ -70,6 +70,8 @@ def test_the_loaders_dequantize_equals_gguf_py(qtype: GGMLQuantizationType) -> N
     assert got.shape == (2, 3, num_cols)
     assert torch.equal(got, torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
     assert dequantize_rows_into(raw, qtype, torch.empty_like(got))  # the kernel's path, not NumPy
+    with pytest.raises(ValueError, match="do not fill an output"):
+        dequantize_rows_into(raw, qtype, torch.empty(2, 3, num_cols + values))
 
 
 @pytest.mark.parametrize("qtype", types(), ids=lambda t: t.name)

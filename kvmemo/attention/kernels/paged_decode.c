@@ -504,7 +504,8 @@ typedef void (*attend_rows_fn)(const float *, const uint16_t *, int64_t, float, 
 ATTEND_ROWS_FOR(attend_rows_64, 64)
 ATTEND_ROWS_FOR(attend_rows_128, 128)
 ATTEND_ROWS_FOR(attend_rows_256, 256)
-/* Other head sizes (no bundled model has one): loops, not unrolled code; half the build time. */
+/* Other head sizes (no bundled model has one): loops, not unrolled code (a third of the build
+ * time: 14.9 s -> 9.9 s). */
 ATTEND_ROWS_FOR(attend_rows_any, D, , optimize("O2", "no-associative-math"))
 #undef ATTEND_ROWS_FOR
 

@@ -2,8 +2,8 @@
 
 Invariant: Int8Weights([w])(x) equals F.linear(x', w.dequantize()) to fp32 rounding, where x' is
 x rounded to int8 codes per group of 16 values (the C file's GROUP; scale amax / 127:
-quantize_activations), so it
-differs from F.linear(x, W) by at most sum_k |W[n, k]| * scale_k / 2 (kernels/quant_int8.c).
+quantize_activations), so it differs from F.linear(x, W) by at most sum_k |W[n, k]| * scale_k / 2
+(kernels/quant_int8.c).
 Why: the integer dot product of 32 codes is one VNNI instruction (AVX512-VNNI, AVX-VNNI; two on
 AVX2), where the fp32-activation kernel (quant_linear.py) dequantizes each weight block to floats
 first. Weights repacked at load into groups of 16 rows (kernels/q8_repacked.h; a Q4_0/Q4_1

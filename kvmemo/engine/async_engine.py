@@ -30,6 +30,7 @@ from kvmemo.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 10.0
+_IDLE_WAKE_S = 0.25  # an idle engine loop looks for signals this often (see _loop)
 
 
 class QueueFullError(Exception):
@@ -217,7 +218,11 @@ class AsyncEngine:
                     and not self._stopped
                     and not self.engine.has_unfinished_requests()
                 ):
-                    self._cond.wait()
+                    # A timed wait: on the main thread (`kvmemo serve`) a SIGTERM or Ctrl-C
+                    # that the kernel hands to another thread (HTTP, AnyIO workers, OpenMP)
+                    # wakes nobody, and its handler runs only when this thread runs Python
+                    # again: an untimed wait left the server deaf to it until a request came.
+                    self._cond.wait(_IDLE_WAKE_S)
                 if self._stopped:
                     break
                 commands, self._commands = self._commands, []

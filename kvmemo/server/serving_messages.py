@@ -16,14 +16,16 @@ cache_creation_input_tokens = the prompt's tokens. cache_read_input_tokens are t
 whose KV came from the cache (any prefix, marked or not: kvmemo caches every full block);
 cache_creation_input_tokens, when the request has a cache_control breakpoint, are the prompt's
 tokens in full blocks that were computed now (what the next request can read), else 0. A
-reply with tool calls streams its blocks when it has ended (the calls are parsed then).
+streamed reply with tools sends its text and each tool_use block as they are generated
+(tool_calls/stream.py): a block starts when its call's arguments open.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -43,6 +45,7 @@ from kvmemo.server.job import Choice, Job
 from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvmemo.server.serving_chat import ServingChat
 from kvmemo.server.token_routes import chat_token_ids, chat_token_ids_each
+from kvmemo.tool_calls.stream import ArgumentsDelta, CallStarted, StreamEvent, TextDelta
 
 
 class ServingMessages(ServingChat):
@@ -152,8 +155,8 @@ class ServingMessages(ServingChat):
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
         choice = job.choices[0]
-        started = text_open = False
-        index = 0  # of the next content block
+        started = False
+        blocks = _ContentBlocks(event)
         try:
             async for item in job.stream:
                 _, delta = job.update(item)
@@ -164,22 +167,14 @@ class ServingMessages(ServingChat):
                     opening["usage"]["output_tokens"] = 0
                     yield event("message_start", message=opening)
                     yield event("ping")
-                if job.tool_replies is not None:
-                    continue  # a reply that may hold tool calls: its blocks when it ends
-                if delta:
-                    if not text_open:
-                        text_open = True
-                        yield event("content_block_start", index=index,
-                                    content_block={"type": "text", "text": ""})
-                    yield event("content_block_delta", index=index,
-                                delta={"type": "text_delta", "text": delta})
-            if text_open:
-                yield event("content_block_stop", index=index)
-                index += 1
-            if job.tool_replies is not None:
-                for block in self.content_blocks(job, choice):
-                    yield from_block(event, index, block)
-                    index += 1
+                if job.tool_replies is not None:  # text and calls as they are read
+                    events = job.tool_replies.stream(0, choice.text, choice.finish_reason)
+                else:
+                    events = [TextDelta(delta)] if delta else []
+                for line in blocks.lines(events):
+                    yield line
+            for line in blocks.close():
+                yield line
             usage = self.usage_json(job)
             yield event("message_delta", delta=self.stop_fields(job, choice),
                         usage={"output_tokens": usage["output_tokens"]})
@@ -192,18 +187,42 @@ class ServingMessages(ServingChat):
             self._marks.pop(job.name or "", None)
 
 
-def from_block(event: Callable[..., str], index: int, block: dict[str, Any]) -> str:
-    """A finished content block as its three events."""
-    start: dict[str, Any]
-    if block["type"] == "text":
-        start = {"type": "text", "text": ""}
-        delta = {"type": "text_delta", "text": block["text"]}
-    else:
-        start = {**block, "input": {}}
-        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-    return (event("content_block_start", index=index, content_block=start)
-            + event("content_block_delta", index=index, delta=delta)
-            + event("content_block_stop", index=index))
+@dataclass
+class _ContentBlocks:
+    """A streamed message's content blocks, opened and closed as the reply's events come: a
+    text block, then a tool_use block per call (its input as input_json_delta fragments)."""
+
+    event: Callable[..., str]
+    index: int = 0  # of the open or next block
+    open: str | None = None  # the open block's type
+
+    def lines(self, events: list[StreamEvent]) -> Iterator[str]:
+        for e in events:
+            if isinstance(e, TextDelta):
+                if self.open != "text":
+                    yield from self.close()
+                    yield self._start({"type": "text", "text": ""})
+                yield self.event("content_block_delta", index=self.index,
+                                 delta={"type": "text_delta", "text": e.text})
+            elif isinstance(e, CallStarted):
+                yield from self.close()
+                yield self._start({"type": "tool_use", "id": e.call.id, "name": e.call.name,
+                                   "input": {}})
+            elif isinstance(e, ArgumentsDelta):
+                yield self.event("content_block_delta", index=self.index,
+                                 delta={"type": "input_json_delta", "partial_json": e.text})
+            else:  # CallEnded
+                yield from self.close()
+
+    def _start(self, block: dict[str, Any]) -> str:
+        self.open = block["type"]
+        return self.event("content_block_start", index=self.index, content_block=block)
+
+    def close(self) -> Iterator[str]:
+        if self.open is not None:
+            yield self.event("content_block_stop", index=self.index)
+            self.index += 1
+            self.open = None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -10,8 +10,8 @@ response.output_item.done, response.completed), each event numbered.
 Invariant: with store (the default) the response and its conversation (earlier turns, this input
 and this output, as chat messages) are kept (response_store.py), so a follow-up naming it as
 previous_response_id renders the same conversation again: its prompt starts with the tokens the
-last turn computed, which the prefix cache holds. A reply that may hold function calls streams
-its items when it has ended (the calls are parsed then). prompt_cache_retention "24h" and
+last turn computed, which the prefix cache holds. A streamed reply sends its message and each
+function call as they are generated (responses_stream.py). prompt_cache_retention "24h" and
 prompt_cache_options.ttl keep the whole prompt cached for that long (kv/retention.py).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,9 @@ from kvmemo.server.responses_protocol import (
     input_messages,
     retention,
 )
+from kvmemo.server.responses_stream import OutputItems, function_call_item, text_part
 from kvmemo.server.serving_chat import ServingChat
+from kvmemo.tool_calls.stream import TextDelta
 
 logger = logging.getLogger(__name__)
 
@@ -132,25 +134,27 @@ class ServingResponses(ServingChat):
             },
         }
 
-    def output_items(self, job: Job) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The finished reply as output items, and as the chat message the conversation keeps."""
+    def output_items(self, job: Job, message_id: str | None = None
+                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The finished reply as output items (its message item named message_id, as its
+        stream did), and as the chat message the conversation keeps."""
         choice = job.choices[0]
         message = self.choice_fields(job, choice)["message"]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         items: list[dict[str, Any]] = []
         if message.get("content"):
-            items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}",
+            items.append({"type": "message", "id": message_id or f"msg_{uuid.uuid4().hex[:24]}",
                           "status": status, "role": "assistant",
-                          "content": [_text_part(message["content"])]})
+                          "content": [text_part(message["content"])]})
         for call in message.get("tool_calls") or ():
-            items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
-                          "call_id": call["id"], "name": call["function"]["name"],
-                          "arguments": call["function"]["arguments"], "status": "completed"})
+            function = call["function"]
+            items.append(function_call_item(call["id"], function["name"], function["arguments"],
+                                            status))
         return items, message
 
-    def finished(self, job: Job) -> dict[str, Any]:
+    def finished(self, job: Job, message_id: str | None = None) -> dict[str, Any]:
         """The final response object (stored when the request asked for it)."""
-        items, message = self.output_items(job)
+        items, message = self.output_items(job, message_id)
         response = self.response_json(job, items, final=True)
         pending = self._pending[job.name or ""]
         if pending.body.store:
@@ -175,9 +179,9 @@ class ServingResponses(ServingChat):
             payload = {"type": kind, "sequence_number": next(numbers), **data}
             return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
-        started = text_open = False
-        message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        text = ""
+        started = False
+        choice = job.choices[0]
+        items = OutputItems(event, f"msg_{uuid.uuid4().hex[:24]}")
         try:
             async for item in job.stream:
                 _, delta = job.update(item)
@@ -186,21 +190,15 @@ class ServingResponses(ServingChat):
                     opening = self.response_json(job, [], final=False)
                     yield event("response.created", response=opening)
                     yield event("response.in_progress", response=opening)
-                if job.tool_replies is not None or not delta:
-                    continue  # a reply that may hold function calls: its items when it ends
-                if not text_open:
-                    text_open = True
-                    for line in _open_message(event, message_id):
-                        yield line
-                text += delta
-                yield event("response.output_text.delta", item_id=message_id, output_index=0,
-                            content_index=0, delta=delta, logprobs=[])
-            final = self.finished(job)
-            if text_open:  # the streamed message keeps the id its events named
-                final["output"][0]["id"] = message_id
-            for index, output in enumerate(final["output"]):
-                for line in _finish_item(event, index, output, opened=text_open and index == 0):
+                if job.tool_replies is not None:  # text and calls as they are read
+                    events = job.tool_replies.stream(0, choice.text, choice.finish_reason)
+                else:
+                    events = [TextDelta(delta)] if delta else []
+                for line in items.lines(events, choice.finish_reason):
                     yield line
+            final = self.finished(job, message_id=items.message_id)
+            for line in items.finish(final["output"]):
+                yield line
             yield event("response.completed", response=final)
         except EngineDeadError as e:
             yield event("error", code="engine_unavailable", message=str(e), param=None)
@@ -208,41 +206,6 @@ class ServingResponses(ServingChat):
             job.stream.abort()
             self.record(job)
             self._pending.pop(job.name or "", None)
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _open_message(event: Any, item_id: str) -> Iterator[str]:
-    yield event("response.output_item.added", output_index=0, item={
-        "type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
-        "content": []})
-    yield event("response.content_part.added", item_id=item_id, output_index=0,
-                content_index=0, part=_text_part(""))
-
-
-def _finish_item(event: Any, index: int, item: dict[str, Any], opened: bool) -> Iterator[str]:
-    """The events that close an output item (and, if it was not streamed, open and fill it)."""
-    if item["type"] == "message":
-        text = item["content"][0]["text"]
-        if not opened:
-            for line in _open_message(event, item["id"]):
-                yield line
-            yield event("response.output_text.delta", item_id=item["id"], output_index=index,
-                        content_index=0, delta=text, logprobs=[])
-        yield event("response.output_text.done", item_id=item["id"], output_index=index,
-                    content_index=0, text=text, logprobs=[])
-        yield event("response.content_part.done", item_id=item["id"], output_index=index,
-                    content_index=0, part=item["content"][0])
-    else:
-        yield event("response.output_item.added", output_index=index,
-                    item={**item, "arguments": "", "status": "in_progress"})
-        yield event("response.function_call_arguments.delta", item_id=item["id"],
-                    output_index=index, delta=item["arguments"])
-        yield event("response.function_call_arguments.done", item_id=item["id"],
-                    output_index=index, arguments=item["arguments"], name=item["name"])
-    yield event("response.output_item.done", output_index=index, item=item)
 
 
 def _not_found(response_id: str, param: str) -> APIError:

@@ -1,10 +1,10 @@
-"""The chat route's tool-call replies: which choices are calls, as full messages and as stream
-deltas (OpenAI's shapes), parsed once per choice.
+"""The chat routes' tool-call replies: which choices are calls, as full messages and as stream
+events (tool_calls/stream.py), parsed once per choice.
 
-Invariant: a choice is parsed only when it has finished ("stop"); one cut off by max_tokens
-stays text. While streaming, a fallback-format reply is held back only until its first
-non-space character shows it is not JSON; a Hermes-format reply (its calls may follow text) is
-held until it ends.
+Invariant: a choice that was not streamed is parsed only when it has finished ("stop"); one cut
+off by max_tokens stays text. A streamed choice is read as it grows (ReplyReader): a call whose
+name has been sent stays a call, and the finished reply reports the calls as they were streamed,
+with the same ids, so the stream and the response it ends with agree.
 """
 
 from __future__ import annotations
@@ -13,22 +13,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmemo.tool_calls import ParsedReply, ToolSpec, parse_reply
-from kvmemo.tool_calls.render import FALLBACK
+from kvmemo.tool_calls.stream import (
+    ArgumentsDelta,
+    CallStarted,
+    ReplyReader,
+    StreamEvent,
+    TextDelta,
+)
 
 
 @dataclass
 class ToolReplies:
     tools: list[ToolSpec]
     reply_format: str
-    _parsed: dict[int, ParsedReply] = field(default_factory=dict)  # by choice index
-    _streaming_text: set[int] = field(default_factory=set)  # choices decided to be text
+    _parsed: dict[int, ParsedReply | None] = field(default_factory=dict)  # by choice index
+    _readers: dict[int, ReplyReader] = field(default_factory=dict)  # streamed choices
 
     def parsed(self, index: int, text: str, finish_reason: str | None) -> ParsedReply | None:
         """The finished choice's reply, parsed (None while it runs or if cut off)."""
+        if index in self._parsed:
+            return self._parsed[index]
         if finish_reason != "stop":
             return None
-        if index not in self._parsed:
-            self._parsed[index] = parse_reply(text, self.tools, self.reply_format)
+        self._parsed[index] = parse_reply(text, self.tools, self.reply_format)
         return self._parsed[index]
 
     def message(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -40,27 +47,36 @@ class ToolReplies:
 
     def finish_reason(self, index: int, text: str, finish_reason: str | None) -> str | None:
         reply = self.parsed(index, text, finish_reason)
-        return "tool_calls" if reply is not None and reply.tool_calls else finish_reason
+        calls = reply is not None and bool(reply.tool_calls)
+        return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
-    def delta(
-        self, index: int, text: str, new: str, finish_reason: str | None
-    ) -> dict[str, Any] | None:
-        """The chunk's delta for a choice whose text is now `text` (`new` just arrived), or
-        None to hold it back."""
-        if index in self._streaming_text:
-            return {"content": new} if new else {}
+    def stream(self, index: int, text: str, finish_reason: str | None) -> list[StreamEvent]:
+        """The events for a choice whose reply is now `text`; its last ones when it has
+        finished (called once more after that, nothing)."""
+        if index in self._parsed:
+            return []
+        reader = self._readers.setdefault(index, ReplyReader(self.tools, self.reply_format))
         if finish_reason is None:
-            stripped = text.lstrip()
-            if self.reply_format == FALLBACK and stripped and not stripped.startswith("{"):
-                self._streaming_text.add(index)  # not a call: send what was held, then stream
-                return {"content": text}
+            return reader.read(text)
+        events, self._parsed[index] = reader.finish(text, finish_reason)
+        return events
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any] | None:
+        """The chat chunk's delta (OpenAI's shape) for a choice whose text is now `text`, or None
+        to hold it back."""
+        delta: dict[str, Any] = {}
+        parts: dict[int, dict[str, Any]] = {}  # by call index, in the order they came
+        for event in self.stream(index, text, finish_reason):
+            if isinstance(event, TextDelta):
+                delta["content"] = delta.get("content", "") + event.text
+            elif isinstance(event, CallStarted):
+                parts[event.index] = {"index": event.index, **event.call.as_openai()}
+            elif isinstance(event, ArgumentsDelta):
+                function = parts.setdefault(event.index, {"index": event.index,
+                                                          "function": {}})["function"]
+                function["arguments"] = function.get("arguments", "") + event.text
+        if parts:
+            delta["tool_calls"] = list(parts.values())
+        if not delta and finish_reason is None:
             return None
-        reply = self.parsed(index, text, finish_reason)
-        if reply is None or not reply.tool_calls:
-            return {"content": text} if text else {}
-        delta: dict[str, Any] = {"tool_calls": [
-            {"index": k, **call.as_openai()} for k, call in enumerate(reply.tool_calls)
-        ]}
-        if reply.content:
-            delta["content"] = reply.content
         return delta

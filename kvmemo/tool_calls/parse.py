@@ -65,26 +65,28 @@ def _fallback_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | 
 
 
 def _hermes_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]] | None:
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, each; arguments keep the
+    model's own text (as the stream sends them), or, given as a JSON string, its object."""
     bodies = _HERMES.findall(text)
     if not bodies:
         return None
     calls = []
     for body in bodies:
         try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or call.get("name") not in names:
-            return None
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
+            fields, end = _object_spans(body, 0)
+            if body[end:].strip():
                 return None
-        if not isinstance(arguments, dict):
+            name = json.loads(body[slice(*fields["name"])])
+            arguments = body[slice(*fields["arguments"])] if "arguments" in fields else "{}"
+            value = json.loads(arguments)
+            if isinstance(value, str):
+                value = json.loads(value)
+                arguments = json.dumps(value, ensure_ascii=False)
+        except (ValueError, KeyError, IndexError, TypeError):
             return None
-        calls.append(ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False)))
+        if not isinstance(name, str) or name not in names or not isinstance(value, dict):
+            return None
+        calls.append(ToolCall(name, arguments))
     return text[: text.find("<tool_call>")].strip(), calls
 
 

@@ -99,6 +99,24 @@ def test_tool_round_trip(server, client):
     assert second.usage.cache_read_input_tokens >= turn1 - 16
 
 
+def test_a_streamed_tool_use_sends_its_input_as_generated(server, client):
+    model = server.model_name()
+    ask = {"model": model, "max_tokens": 80, "extra_body": GREEDY, "tools": TOOLS,
+           "tool_choice": {"type": "any"},
+           "messages": [{"role": "user", "content": "What is the weather in Oslo, in Celsius?"}]}
+    plain = client.messages.create(**ask)
+    fragments: list[str] = []
+    with client.messages.stream(**ask) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                fragments.append(event.delta.partial_json)
+        final = stream.get_final_message()
+    assert final.stop_reason == plain.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content] \
+        == [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in plain.content]
+    assert len(fragments) > 1  # the input came in pieces as it was generated, not at the end
+
+
 def test_a_six_turn_tool_loop_reuses_the_previous_turn(server, client):
     model = server.model_name()
     history: list[dict] = [{"role": "user", "content": "What is the weather in Oslo, in Celsius?"}]

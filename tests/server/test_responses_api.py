@@ -67,6 +67,28 @@ def test_function_call_and_its_output(server, client):
     assert second.usage.input_tokens_details.cached_tokens >= computed - 16
 
 
+def test_a_streamed_function_call_sends_its_arguments_as_generated(server, client):
+    model = server.model_name()
+    ask = {"model": model, "input": "What is the weather in Oslo, in Celsius?",
+           "tools": [FUNCTION], "tool_choice": "required", "parallel_tool_calls": False,
+           "max_output_tokens": 80, "temperature": 0}
+    plain = [i for i in client.responses.create(**ask).output if i.type == "function_call"]
+    events = list(client.responses.create(**ask, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    # the item opens before its arguments, which come in pieces as they are generated
+    assert kinds.index("response.output_item.added") < kinds.index(deltas[0].type)
+    assert len(deltas) > 1
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    final = [i for i in events[-1].response.output if i.type == "function_call"]
+    assert [i.model_dump() for i in done] == [i.model_dump() for i in final]
+    assert "".join(d.delta for d in deltas) == final[0].arguments
+    assert {d.item_id for d in deltas} == {final[0].id}
+    assert [(c.name, json.loads(c.arguments)) for c in final] == [
+        (c.name, json.loads(c.arguments)) for c in plain]
+
+
 def test_a_six_turn_chain_reuses_every_earlier_token(server, client):
     model = server.model_name()
     previous = None

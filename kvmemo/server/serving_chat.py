@@ -92,7 +92,7 @@ class ServingChat(OpenAIServing):
 
     def delta_fields(self, job: Job, choice: Choice, delta: str) -> dict[str, Any] | None:
         if job.tool_replies is not None:
-            tool_delta = job.tool_replies.delta(choice.index, choice.text, choice.finish_reason)
+            tool_delta = job.tool_replies.delta(choice.index, delta, choice.finish_reason)
             return None if tool_delta is None else {"delta": tool_delta}
         if job.echo_prefix and not choice.echo_sent:  # the choice's first content chunk
             delta = job.echo_prefix + delta

@@ -168,7 +168,7 @@ class ServingMessages(ServingChat):
                     yield event("message_start", message=opening)
                     yield event("ping")
                 if job.tool_replies is not None:  # text and calls as they are read
-                    events = job.tool_replies.stream(0, choice.text, choice.finish_reason)
+                    events = job.tool_replies.stream(0, delta, choice.finish_reason)
                 else:
                     events = [TextDelta(delta)] if delta else []
                 for line in blocks.lines(events):

@@ -191,7 +191,7 @@ class ServingResponses(ServingChat):
                     yield event("response.created", response=opening)
                     yield event("response.in_progress", response=opening)
                 if job.tool_replies is not None:  # text and calls as they are read
-                    events = job.tool_replies.stream(0, choice.text, choice.finish_reason)
+                    events = job.tool_replies.stream(0, delta, choice.finish_reason)
                 else:
                     events = [TextDelta(delta)] if delta else []
                 for line in items.lines(events, choice.finish_reason):

@@ -50,23 +50,23 @@ class ToolReplies:
         calls = reply is not None and bool(reply.tool_calls)
         return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
-    def stream(self, index: int, text: str, finish_reason: str | None) -> list[StreamEvent]:
-        """The events for a choice whose reply is now `text`; its last ones when it has
-        finished (called once more after that, nothing)."""
+    def stream(self, index: int, new: str, finish_reason: str | None) -> list[StreamEvent]:
+        """The events for a choice whose reply grew by `new` (every piece, in order); its last
+        ones when it has finished (called once more after that, nothing)."""
         if index in self._parsed:
             return []
         reader = self._readers.setdefault(index, ReplyReader(self.tools, self.reply_format))
         if finish_reason is None:
-            return reader.read(text)
-        events, self._parsed[index] = reader.finish(text, finish_reason)
+            return reader.read(new)
+        events, self._parsed[index] = reader.finish(new, finish_reason)
         return events
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any] | None:
-        """The chat chunk's delta (OpenAI's shape) for a choice whose text is now `text`, or None
-        to hold it back."""
+    def delta(self, index: int, new: str, finish_reason: str | None) -> dict[str, Any] | None:
+        """The chat chunk's delta (OpenAI's shape) for a choice whose reply grew by `new`, or
+        None to hold it back."""
         delta: dict[str, Any] = {}
         parts: dict[int, dict[str, Any]] = {}  # by call index, in the order they came
-        for event in self.stream(index, text, finish_reason):
+        for event in self.stream(index, new, finish_reason):
             if isinstance(event, TextDelta):
                 delta["content"] = delta.get("content", "") + event.text
             elif isinstance(event, CallStarted):

@@ -24,6 +24,7 @@ import json
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
+from kvmemo.text_buffer import TextBuffer
 from kvmemo.tool_calls.parse import ParsedReply, parse_reply
 from kvmemo.tool_calls.render import FALLBACK
 from kvmemo.tool_calls.spec import ToolCall, ToolSpec
@@ -62,7 +63,7 @@ class _Left(Exception):
 class _Call:
     name: str
     id: str
-    arguments: str = ""
+    arguments: TextBuffer = field(default_factory=TextBuffer)
     ended: bool = False
 
 
@@ -76,11 +77,11 @@ class ReplyReader:
 
     tools: Sequence[ToolSpec]
     reply_format: str
-    emitted_text: str = ""  # the text sent so far: always a prefix of the reply
+    _read: TextBuffer = field(default_factory=TextBuffer)  # the reply as read so far
+    _emitted: TextBuffer = field(default_factory=TextBuffer)  # the text sent: a prefix of it
     _calls: list[_Call] = field(default_factory=list)
     _events: list[StreamEvent] = field(default_factory=list)
     _held: str = ""  # text read but not sent (it may begin a call's opening)
-    _read_upto: int = 0
     _stopped: bool = False  # left the shape, or the calls are over: read no further
     _reply_read: ParsedReply | None = None  # set by finish
     _finished: bool = False
@@ -95,50 +96,56 @@ class ReplyReader:
     def has_calls(self) -> bool:
         return bool(self._calls)
 
-    def read(self, text: str) -> list[StreamEvent]:
-        """The events for the reply grown to `text` (the whole reply so far)."""
-        for ch in text[self._read_upto:]:
+    @property
+    def emitted_text(self) -> str:
+        return self._emitted.text
+
+    def read(self, new: str) -> list[StreamEvent]:
+        """The events for the reply grown by `new` (pieces, not the whole text: a reply read
+        token by token costs its length once)."""
+        self._read.append(new)
+        for ch in new:
             if self._stopped:
                 break
             try:
                 self._machine.send(ch)
             except (_Left, StopIteration):
                 self._stopped = True
-        self._read_upto = len(text)
         events, self._events = self._events, []
         return events
 
-    def finish(self, text: str, finish_reason: str | None) -> tuple[list[StreamEvent],
-                                                                    ParsedReply | None]:
+    def finish(self, new: str, finish_reason: str | None) -> tuple[list[StreamEvent],
+                                                                   ParsedReply | None]:
         """The last events, and the reply as the answer reports it: its calls as streamed, or,
         when no call started, the whole reply parsed (None: cut off before any call). Once
         finished, the same reply and no more events."""
         if self._finished:
             return [], self._reply_read
         self._finished = True
-        events, self._reply_read = self._close(text, finish_reason)
+        events, self._reply_read = self._close(new, finish_reason)
         return events, self._reply_read
 
-    def _close(self, text: str, finish_reason: str | None) -> tuple[list[StreamEvent],
-                                                                    ParsedReply | None]:
-        events = self.read(text)
+    def _close(self, new: str, finish_reason: str | None) -> tuple[list[StreamEvent],
+                                                                   ParsedReply | None]:
+        events = self.read(new)
+        text, emitted = self._read.text, self._emitted.text
         if self._calls:
             last = len(self._calls) - 1
             if not self._calls[last].ended:
                 self._calls[last].ended = True
                 events.append(CallEnded(last))
-            calls = [ToolCall(c.name, c.arguments, c.id) for c in self._calls]
-            return events, ParsedReply(self.emitted_text.strip() or None, calls)
+            calls = [ToolCall(c.name, c.arguments.text, c.id) for c in self._calls]
+            return events, ParsedReply(emitted.strip() or None, calls)
         parsed = parse_reply(text, self.tools, self.reply_format) \
             if finish_reason == "stop" else None
         if parsed is None or not parsed.tool_calls:
-            rest = text[len(self.emitted_text):]
+            rest = text[len(emitted):]
             if rest:
                 events.append(TextDelta(rest))
             return events, parsed
         content = parsed.content or ""
-        if content.startswith(self.emitted_text) and len(content) > len(self.emitted_text):
-            events.append(TextDelta(content[len(self.emitted_text):]))
+        if content.startswith(emitted) and len(content) > len(emitted):
+            events.append(TextDelta(content[len(emitted):]))
         for index, call in enumerate(parsed.tool_calls):
             events += [CallStarted(index, ToolCall(call.name, "", call.id)),
                        ArgumentsDelta(index, call.arguments), CallEnded(index)]
@@ -159,17 +166,18 @@ class ReplyReader:
     def _send_text(self, upto: int) -> None:
         """Send the held text's first `upto` characters."""
         if upto > 0:
-            self.emitted_text += self._held[:upto]
+            self._emitted.append(self._held[:upto])
             self._emit(TextDelta(self._held[:upto]))
             self._held = self._held[upto:]
 
     def _reply(self) -> _Reader:
+        started = False  # a non-space character was read
         while True:  # text, until a call's opening
             ch = yield
-            if self.reply_format == FALLBACK and ch == "{" and not (self.emitted_text
-                                                                    + self._held).strip():
+            if self.reply_format == FALLBACK and ch == "{" and not started:
                 yield from self._token('"tool_calls"')  # a reply that starts as JSON
                 break
+            started = started or not ch.isspace()
             self._held += ch
             at = self._held.find(self._opening)
             if at >= 0:
@@ -220,7 +228,7 @@ class ReplyReader:
         """A JSON object from its opening `ch`, every character sent as the model writes it."""
         depth, in_string, escaped = 0, False, False
         while True:
-            self._calls[index].arguments += ch
+            self._calls[index].arguments.append(ch)
             self._emit(ArgumentsDelta(index, ch))
             if in_string:
                 if escaped:

@@ -44,11 +44,14 @@ REPLIES = [
 
 
 def _feed(reader: ReplyReader, text: str, cuts: list[int], finish: str) -> list[StreamEvent]:
+    """The reply in pieces cut at `cuts`, the last piece with the finish."""
     events: list[StreamEvent] = []
+    start = 0
     for cut in cuts:
-        events += reader.read(text[:cut])
-    last, reply = reader.finish(text, finish)
-    assert reader.finish(text, finish) == ([], reply), "finishing twice adds nothing"
+        events += reader.read(text[start:cut])
+        start = cut
+    last, reply = reader.finish(text[start:], finish)
+    assert reader.finish("", finish) == ([], reply), "finishing twice adds nothing"
     return events + last
 
 
@@ -83,7 +86,7 @@ def test_any_pieces_add_up_to_the_whole_parse(reply_format, text):
         reader = ReplyReader(SPECS, reply_format)
         events = _feed(reader, text, cuts, "stop")
         streamed_text, calls = _assemble(events)
-        _, reply = reader.finish(text, "stop")
+        _, reply = reader.finish("", "stop")
         if expected.tool_calls:
             assert streamed_text.strip() == (expected.content or "")
             assert [(n, json.loads(a)) for _, n, a in calls] == [
@@ -108,18 +111,17 @@ def test_a_call_starts_when_its_arguments_open(reply_format):
     opens = text.index('{"city"') + 1
     reader = ReplyReader(SPECS, reply_format)
     assert reader.read(text[:opens - 1]) == []
-    started = [e for e in reader.read(text[:opens]) if isinstance(e, CallStarted)]
+    started = [e for e in reader.read(text[opens - 1]) if isinstance(e, CallStarted)]
     assert [e.call.name for e in started] == ["get_weather"]
     # The arguments go out as they are written, before the reply ends.
-    partial = text[:text.index("Oslo") + 2]
-    assert reader.read(partial) == [ArgumentsDelta(0, '"city": "Os')]
+    assert reader.read(text[opens:text.index("Oslo") + 2]) == [ArgumentsDelta(0, '"city": "Os')]
 
 
 def test_text_streams_until_it_may_open_a_call():
     reader = ReplyReader(SPECS, HERMES)
     assert reader.read("Let me look. ") == [TextDelta("Let me look.")]
-    assert reader.read("Let me look. <tool_") == []  # maybe a call's opening: held
-    assert reader.read("Let me look. <tool_box> is") == [TextDelta(" <tool_box> is")]
+    assert reader.read("<tool_") == []  # maybe a call's opening: held
+    assert reader.read("box> is") == [TextDelta(" <tool_box> is")]
     fallback = ReplyReader(SPECS, FALLBACK)
     assert fallback.read("  {") == []  # a reply that opens as JSON may be a call
     assert ReplyReader(SPECS, FALLBACK).read("  Sure") == [TextDelta("  Sure")]
@@ -129,7 +131,7 @@ def test_a_call_cut_off_stays_a_call():
     text = '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b'
     reader = ReplyReader(SPECS, FALLBACK)
     streamed, calls = _assemble(_feed(reader, text, [10, 40], "length"))
-    _, reply = reader.finish(text, "length")
+    _, reply = reader.finish("", "length")
     assert streamed == "" and calls[0][1:] == ("add", '{"a": 1, "b')
     assert reply is not None and reply.tool_calls[0].arguments == '{"a": 1, "b'
     # Cut off before any call started: text, as the whole parse leaves it.

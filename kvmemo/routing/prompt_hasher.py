@@ -1,11 +1,13 @@
-"""PromptHasher: a request body (OpenAI's completions or chat, Anthropic's Messages) -> the block
-hashes a replica will give its prompt.
+"""PromptHasher: a request body (OpenAI's completions, chat or Responses, Anthropic's Messages) ->
+the block hashes a replica will give its prompt.
 
 Invariant: tokenization (tokenizer, chat template and its options, message normalisation, tools)
 and hashing (RequestHasher from the replicas' namespace root, block size and algorithm,
 cache_salt as an extra key) are the replica's own code paths, so equal prompts get equal hashes
 on the router and on the replica.
-Only the tokenizer is loaded, never the weights.
+Only the tokenizer is loaded, never the weights. A Responses request that continues a stored
+conversation (previous_response_id) has no prediction here: its replica is the one that stored
+it (router.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from kvmemo.kv.hashing import BlockHash, RequestHasher
 from kvmemo.server.anthropic_protocol import MessagesRequest, chat_request
 from kvmemo.server.chat_input import chat_options, chat_tools, engine_messages
 from kvmemo.server.protocol import ChatCompletionRequest
+from kvmemo.server.responses_protocol import ResponsesRequest
+from kvmemo.server.responses_protocol import chat_request as responses_chat_request
 
 
 class PromptHasher:
@@ -45,6 +49,11 @@ class PromptHasher:
                 chat = chat_request(MessagesRequest.model_validate(body))
             elif path.endswith("/chat/completions"):
                 chat = ChatCompletionRequest.model_validate(body)
+            elif path.endswith("/responses"):  # OpenAI's Responses, translated as its route does
+                responses = ResponsesRequest.model_validate(body)
+                if responses.previous_response_id is not None:
+                    return None
+                chat = responses_chat_request(responses, [])
             if chat is not None:
                 messages = engine_messages(chat)
                 if _has_images(messages):

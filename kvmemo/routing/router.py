@@ -1,5 +1,7 @@
 """`kvmemo router`: an OpenAI-compatible proxy sending each prompt to the replica that holds the
-longest prefix of its KV blocks (kept from the replicas' KV events), else to the least loaded.
+longest prefix of its KV blocks (kept from the replicas' KV events), else to the least loaded; a
+Responses follow-up and a stored response's GET / DELETE go to the replica that stored it, and a
+prompt_cache_key's requests to where the key went first (affinity.py).
 
 Invariant: requests only go to replicas that passed their last health check and agree on the
 namespace (root hash, block size, hash algorithm); a replica that fails to connect is marked
@@ -31,6 +33,7 @@ from prometheus_client import (
 )
 
 from kvmemo.kv.hashing import BlockHash
+from kvmemo.routing.affinity import Affinity
 from kvmemo.routing.block_index import ReplicaBlockIndex, follow_events
 from kvmemo.routing.policy import Candidate, RoutingPolicy
 from kvmemo.routing.prompt_hasher import PromptHasher
@@ -58,7 +61,8 @@ class _Metrics:
         self.registry = r = CollectorRegistry()
         self.routed = Counter(
             "kvmemo_router_requests",
-            "Requests routed, by replica and reason (prefix, cold, balance, round_robin)",
+            "Requests routed, by replica and reason (prefix, cold, balance, round_robin, "
+            "response, cache_key)",
             ["replica", "reason"],
             registry=r,
         )
@@ -124,6 +128,7 @@ class Router:
         self.policy = policy
         self.health_interval_s = health_interval_s
         self.hasher: PromptHasher | None = None  # from the first replica's /kv/info
+        self.affinity = Affinity()
         self.metrics = _Metrics(self)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=2.0))
         self._health_task: asyncio.Task | None = None
@@ -208,16 +213,23 @@ class Router:
     ) -> tuple[int, list[BlockHash]]:
         """(replica index, prompt block hashes); raises ValueError if no replica is up."""
         hashes = self.hasher.block_hashes(path, body) if self.hasher and body is not None else []
-        candidates = [
-            Candidate(i, r.index.matched_blocks(hashes), r.in_flight)
-            for i, r in enumerate(self.replicas)
-            if r.healthy and i not in exclude
-        ]
-        decision = self.policy.choose(candidates)
-        replica = self.replicas[decision.index]
-        self.metrics.routed.labels(replica.url, decision.reason).inc()
-        self.metrics.matched_blocks.labels(replica.url).inc(decision.matched_blocks)
-        return decision.index, hashes
+        pinned = self.affinity.pinned(self.replicas, body, exclude)
+        if pinned is not None:
+            index, reason = pinned
+            matched = self.replicas[index].index.matched_blocks(hashes)
+        else:
+            candidates = [
+                Candidate(i, r.index.matched_blocks(hashes), r.in_flight)
+                for i, r in enumerate(self.replicas)
+                if r.healthy and i not in exclude
+            ]
+            decision = self.policy.choose(candidates)
+            index, reason, matched = decision.index, decision.reason, decision.matched_blocks
+        self.affinity.note(body, index)
+        replica = self.replicas[index]
+        self.metrics.routed.labels(replica.url, reason).inc()
+        self.metrics.matched_blocks.labels(replica.url).inc(matched)
+        return index, hashes
 
     async def proxy(self, request: Request, path: str) -> Response:
         raw = await request.body()
@@ -264,6 +276,24 @@ class Router:
                 },
             )
 
+    async def forward_stored(self, request: Request, response_id: str) -> Response:
+        """GET or DELETE /v1/responses/{id}, answered by the replica that stored it."""
+        index = self.affinity.holder(self.replicas, response_id)
+        if index is None or not self.replicas[index].healthy:
+            why = "no replica" if index is None else "the replica that stored it is down: no one"
+            return JSONResponse({"error": {
+                "message": f"{why} stores response {response_id!r}",
+                "type": "invalid_request_error", "param": "response_id",
+                "code": "response_not_found"}}, status_code=404)
+        replica = self.replicas[index]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        response = await self.client.request(
+            request.method, f"{replica.url}/v1/responses/{response_id}",
+            params=request.query_params, headers=headers)
+        return Response(response.content, response.status_code,
+                        media_type=response.headers.get("content-type"),
+                        headers={REPLICA_HEADER: replica.url})
+
     async def _relay(self, replica: Replica, response: httpx.Response):
         try:
             async for chunk in response.aiter_raw():
@@ -302,7 +332,7 @@ def _reachable(endpoint: str, replica_url: str) -> str:
 
 # The generation routes, proxied to the replica the prompt's blocks point at.
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages",
-                 "/v1/messages/count_tokens")
+                 "/v1/messages/count_tokens", "/v1/responses")
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -322,6 +352,11 @@ def create_router_app(router: Router) -> FastAPI:
 
     for path in PROXIED_PATHS:
         add_proxy(path)
+
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await router.forward_stored(request, response_id)
+
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
 
     @app.get("/v1/models")
     async def models(request: Request):

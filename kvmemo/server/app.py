@@ -135,7 +135,7 @@ def create_app(
             )
         return {"success": True}
 
-    add_kv_routes(app, engine, kv_events, model_name)
+    add_kv_routes(app, engine, kv_events, model_name, replica_id=responses.replica_tag)
     add_token_routes(app, engine, model_name, auth)
     return app
 

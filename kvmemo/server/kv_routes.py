@@ -1,5 +1,6 @@
-"""A replica's KV routes for routers: GET /kv/info (how to hash prompts like this replica) and
-GET /kv/blocks (a snapshot of the block hashes it holds, at an event sequence number).
+"""A replica's KV routes for routers: GET /kv/info (how to hash prompts like this replica, and
+the tag its response ids carry) and GET /kv/blocks (a snapshot of the block hashes it holds, at
+an event sequence number).
 
 Invariant: a snapshot is read on the engine thread between steps, so its (epoch, seq) is exactly
 the last KV event batch whose changes it includes.
@@ -18,11 +19,14 @@ if TYPE_CHECKING:
 
 
 def add_kv_routes(
-    app: FastAPI, engine: AsyncEngine, publisher: EventPublisher | None, model_name: str
+    app: FastAPI, engine: AsyncEngine, publisher: EventPublisher | None, model_name: str,
+    replica_id: str | None = None,
 ) -> None:
+    """replica_id: the tag in this server's response ids (server/response_store.py)."""
     kv = engine.kv_info()
     info = {
         "model": model_name,
+        "replica_id": replica_id,
         "weights_fingerprint": kv.weights_fingerprint,
         "namespace_root": bytes(kv.namespace_root).hex(),
         "block_size": kv.block_size,

@@ -8,19 +8,61 @@ line_log.py), replayed at start: stored responses survive a restart, and with th
 their replies were generated as (`replies`), which the intake splices back when the
 conversation is rendered again (intake/reply_tokens.py), so a follow-up after a restart starts
 with exactly the tokens computed before, whose KV the disk store holds.
+
+A response id names the replica that stores it: resp_<tag><24 hex>, the tag this server reports
+in GET /kv/info as replica_id, so `kvmemo router` sends a follow-up (previous_response_id) and
+GET / DELETE to the one replica that can answer them. With a disk store the tag is kept beside
+the log (a restarted replica answers for the ids it stored); without one it is new each start.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvmemo.connector.line_log import LineLog
 
 FILE_NAME = "responses.jsonl"
+TAG_FILE_NAME = "replica_id"
+_TAG = re.compile(r"[0-9a-f]{8}")
+_ID = re.compile(r"resp_([0-9a-f]{8})[0-9a-f]{24}")
+
+
+def replica_tag(directory: Path | None) -> str:
+    """This server's tag in its response ids: read from (or first written to) `directory`, or
+    new when there is none or it cannot be kept there."""
+    if directory is None:
+        return secrets.token_hex(4)
+    path = Path(directory) / TAG_FILE_NAME
+    try:
+        tag = path.read_text().strip()
+        if _TAG.fullmatch(tag):
+            return tag
+    except OSError:
+        pass
+    tag = secrets.token_hex(4)
+    try:
+        path.write_text(tag + "\n")
+    except OSError:  # a read-only store: ids still route while this process runs
+        pass
+    return tag
+
+
+def new_response_id(tag: str) -> str:
+    return f"resp_{tag}{uuid.uuid4().hex[:24]}"
+
+
+def tag_of(response_id: object) -> str | None:
+    """The replica tag of a response id, or None for an id of another shape."""
+    match = _ID.fullmatch(response_id) if isinstance(response_id, str) else None
+    return match.group(1) if match else None
 Reply = tuple[str, list[int]]  # a reply's text and the token ids it was generated as
 
 

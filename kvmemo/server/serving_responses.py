@@ -33,7 +33,12 @@ from kvmemo.kv.retention import Retention
 from kvmemo.server.errors import APIError
 from kvmemo.server.job import Job
 from kvmemo.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvmemo.server.response_store import FILE_NAME, ResponseStore
+from kvmemo.server.response_store import (
+    FILE_NAME,
+    ResponseStore,
+    new_response_id,
+    replica_tag,
+)
 from kvmemo.server.responses_protocol import (
     ResponsesRequest,
     chat_request,
@@ -64,6 +69,7 @@ class ServingResponses(ServingChat):
         log = None if directory is None else LineLog(
             directory / FILE_NAME, 128 << 20, "stored responses")
         self.store = ResponseStore(log=log)
+        self.replica_tag = replica_tag(directory)  # in every response id (response_store.py)
         loaded = self.store.load(self.engine.reply_tokens.remember)
         if loaded:
             logger.info("stored responses: %d read back from %s", loaded, log and log.path)
@@ -78,7 +84,7 @@ class ServingResponses(ServingChat):
             history = stored.conversation
         retention(body)  # its 400s, before anything is queued
         chat = chat_request(body, history)
-        chat.request_id = "resp_" + uuid.uuid4().hex[:24]
+        chat.request_id = new_response_id(self.replica_tag)
         self._pending[chat.request_id] = _Pending(body, history + input_messages(body.input))
         try:
             return await self.create(chat, request)

@@ -139,11 +139,13 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-@pytest.mark.parametrize("kind", ["completion", "chat", "chat_tools", "messages_tools"])
+@pytest.mark.parametrize(
+    "kind", ["completion", "chat", "chat_tools", "messages_tools", "responses_tools"])
 def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenizer, kind):
     """The router's PromptHasher (tokenizer only + /kv/info) against the replica's own block map;
     a chat request with tools, a tool choice and chat options too (its tools are rendered into
-    the prompt by the same code on both sides), and an Anthropic Messages request with tools."""
+    the prompt by the same code on both sides), an Anthropic Messages request with tools, and an
+    OpenAI Responses request with instructions and a function tool."""
     from kvmemo.kv.hashing import BlockHash
     from kvmemo.routing.prompt_hasher import PromptHasher
 
@@ -170,6 +172,16 @@ def test_router_hashes_prompts_exactly_like_the_replica(cluster, router_tokenize
                        "input_schema": function["parameters"]}],
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
             "max_tokens": 2, "temperature": 0,
+        }
+    elif kind == "responses_tools":
+        function = WEATHER_TOOL["function"]
+        path, body = "/v1/responses", {
+            "instructions": "Be brief.", "store": False,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}],
+            "tools": [{"type": "function", "name": function["name"],
+                       "description": function["description"],
+                       "parameters": function["parameters"]}],
+            "tool_choice": "required", "max_output_tokens": 16, "temperature": 0,
         }
     else:
         path, body = "/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0}
@@ -236,6 +248,38 @@ def test_redis_killed_mid_run_means_misses_then_recovery(cluster):
                 break
         assert time.monotonic() < deadline, "the replicas never recovered their Redis tier"
         time.sleep(0.5)
+
+
+def test_router_keeps_a_responses_chain_on_the_replica_that_stored_it(cluster):
+    """previous_response_id, GET and DELETE reach the replica whose tag the id carries, and a
+    prompt_cache_key's requests follow its first one, each turn reading the last from cache."""
+    _, replicas, router = cluster
+    urls = {r.base_url for r in replicas}
+    with router.http() as client:
+        previous, used, cached = None, set(), []
+        for turn in range(3):
+            response = client.post("/v1/responses", json={
+                "input": f"{_prompt(40)} Turn {turn}: name one item.", "max_output_tokens": 4,
+                "temperature": 0, "previous_response_id": previous})
+            assert response.status_code == 200, response.text
+            used.add(response.headers[REPLICA])
+            previous = response.json()["id"]
+            cached.append(response.json()["usage"]["input_tokens_details"]["cached_tokens"])
+        assert len(used) == 1 and used <= urls
+        assert cached[1] > 0 and cached[2] > cached[1]  # each turn reads the ones before
+        got = client.get(f"/v1/responses/{previous}")
+        assert got.status_code == 200 and got.json()["id"] == previous
+        assert got.headers[REPLICA] in used
+        assert client.delete(f"/v1/responses/{previous}").json()["deleted"] is True
+        gone = client.get(f"/v1/responses/{previous}")
+        assert gone.status_code == 404 and gone.json()["error"]["param"] == "response_id"
+        unknown = client.get("/v1/responses/resp_" + "0" * 32)
+        assert unknown.status_code == 404, unknown.text
+        # Cold prompts spread over both replicas (above), but not when they share a key.
+        keyed = {client.post("/v1/responses", json={
+            "input": _prompt(24), "max_output_tokens": 2, "temperature": 0, "store": False,
+            "prompt_cache_key": "tenant-a/agent-7"}).headers[REPLICA] for _ in range(4)}
+        assert len(keyed) == 1
 
 
 def test_a_dead_replica_is_routed_around(cluster):

@@ -26,7 +26,8 @@ from kvmemo.server.errors import APIError, add_error_handlers
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages",
+                    "/v1/responses")
 _DROPPED_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"}
 
 api = FastAPI(title="kvmemo on Ray Serve", version="0.1.0")

@@ -61,10 +61,12 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     kv_events: EventPublisher | None = None,
+    replica_tag: str | None = None,
 ) -> FastAPI:
     """Build the app around a running AsyncEngine; the app shuts the engine down on exit.
 
     kv_events: the publisher the engine's KV events go to, named by GET /kv/info.
+    replica_tag: the tag in the app's response ids (server/response_store.py).
     """
 
     @asynccontextmanager
@@ -79,7 +81,7 @@ def create_app(
     completion = ServingCompletion(engine, metrics, model_name)
     chat = ServingChat(engine, metrics, model_name)
     messages = ServingMessages(engine, metrics, model_name)
-    responses = ServingResponses(engine, metrics, model_name)
+    responses = ServingResponses(engine, metrics, model_name, replica_tag=replica_tag)
     auth = [Depends(_key_check(api_key))]
 
     @app.post("/v1/completions", dependencies=auth)

@@ -17,6 +17,7 @@ the log (a restarted replica answers for the ids it stored); without one it is n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -53,6 +54,12 @@ def replica_tag(directory: Path | None) -> str:
     except OSError:  # a read-only store: ids still route while this process runs
         pass
     return tag
+
+
+def tag_for(name: str) -> str:
+    """The tag of a replica that has a stable name instead of a store (a Ray Serve replica's
+    id): a router that knows the name computes the tag without asking."""
+    return hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 def new_response_id(tag: str) -> str:

@@ -37,8 +37,8 @@ from kvmemo.server.response_store import (
     FILE_NAME,
     ResponseStore,
     new_response_id,
-    replica_tag,
 )
+from kvmemo.server.response_store import replica_tag as store_tag
 from kvmemo.server.responses_protocol import (
     ResponsesRequest,
     chat_request,
@@ -63,13 +63,16 @@ class ServingResponses(ServingChat):
     chunk_object_name = "response"
     id_prefix = ""
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: Any, replica_tag: str | None = None) -> None:
+        """replica_tag: the tag in this server's response ids; by default kept beside the
+        disk store (response_store.replica_tag)."""
         super().__init__(*args)
         directory = self.engine.disk_store_dir
         log = None if directory is None else LineLog(
             directory / FILE_NAME, 128 << 20, "stored responses")
         self.store = ResponseStore(log=log)
-        self.replica_tag = replica_tag(directory)  # in every response id (response_store.py)
+        # in every response id (response_store.py)
+        self.replica_tag = replica_tag if replica_tag is not None else store_tag(directory)
         loaded = self.store.load(self.engine.reply_tokens.remember)
         if loaded:
             logger.info("stored responses: %d read back from %s", loaded, log and log.path)

@@ -93,6 +93,22 @@ def test_a_shared_prefix_goes_to_the_replica_that_holds_it_and_outputs_equal_one
     ]
 
 
+def test_a_responses_chain_stays_on_the_replica_that_stored_it(cluster):
+    """previous_response_id and GET reach the replica whose id gives the response id's tag
+    (two replicas: without the pin, a follow-up lands on the other one half the time, a 404)."""
+    previous, used = None, set()
+    for turn in range(4):
+        body = {"input": f"Turn {turn}: name a colour.", "max_output_tokens": 2,
+                "temperature": 0, "previous_response_id": previous}
+        response = httpx.post(f"{cluster}/v1/responses", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        used.add(response.headers[REPLICA_HEADER])
+        previous = response.json()["id"]
+    assert len(used) == 1
+    stored = httpx.get(f"{cluster}/v1/responses/{previous}", timeout=60)
+    assert stored.status_code == 200 and stored.headers[REPLICA_HEADER] in used
+
+
 def test_killing_a_replica_loses_no_request_that_had_not_started_and_ray_restarts_it(cluster):
     prefix = _tokens(3, PREFIX_TOKENS)
     warm = _complete(cluster, prefix + _tokens(300, 16))

@@ -97,6 +97,21 @@ def test_http_call_exposes_prompt_or_messages_only_when_the_body_has_them():
     assert not hasattr(HTTPCall("POST", "/x", body=b"not json"), "prompt")
 
 
+def test_a_call_on_a_stored_response_names_its_replicas_tag():
+    from kvmemo.integrations.ray_serve.ingress import _response_tag
+    from kvmemo.server.response_store import new_response_id, tag_for
+
+    tag = tag_for("SERVE_REPLICA::kvmemo#KvmemoReplica#abc")
+    rid = new_response_id(tag)
+    follow_up = json.dumps({"input": "hi", "previous_response_id": rid}).encode()
+    assert _response_tag(HTTPCall("POST", "/v1/responses", body=follow_up)) == tag
+    assert _response_tag(HTTPCall("GET", f"/v1/responses/{rid}")) == tag
+    assert _response_tag(HTTPCall("DELETE", f"/v1/responses/{rid}")) == tag
+    assert _response_tag(HTTPCall("POST", "/v1/responses", body=b'{"input": "hi"}')) is None
+    assert _response_tag(HTTPCall("POST", "/v1/chat/completions", body=follow_up)) is None
+    assert _response_tag(HTTPCall("GET", "/v1/responses/resp_not-an-id")) is None
+
+
 def _h(i: int) -> bytes:
     return bytes([i]) * 8
 

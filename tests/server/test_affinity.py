@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemo.routing.affinity import Affinity
-from kvmemo.server.response_store import TAG_FILE_NAME, new_response_id, replica_tag, tag_of
+from kvmemo.server.response_store import (
+    TAG_FILE_NAME,
+    new_response_id,
+    replica_tag,
+    tag_for,
+    tag_of,
+)
 
 
 @dataclass
@@ -57,3 +63,6 @@ def test_a_replica_keeps_its_tag_beside_its_store(tmp_path):
     (tmp_path / TAG_FILE_NAME).write_text("not a tag\n")
     assert replica_tag(tmp_path) != "not a tag"
     assert replica_tag(None) != replica_tag(None)  # no store: new each start
+    # a replica with a stable name (Ray's) gets the tag any router computes from that name
+    assert tag_for("replica-7") == tag_for("replica-7") != tag_for("replica-8")
+    assert tag_of(new_response_id(tag_for("replica-7"))) == tag_for("replica-7")

@@ -40,6 +40,9 @@ class HTTPCall:
     headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
     block_hashes: tuple[bytes, ...] = ()  # the prompt's full blocks, as the replicas hash them
+    # the tag of the replica that stores the Responses conversation this call continues or
+    # reads (previous_response_id, GET / DELETE /v1/responses/{id}): it must go there
+    response_tag: str | None = None
 
     @cached_property
     def json_body(self) -> Any:

@@ -46,6 +46,21 @@ async def _rest(first: bytes, stream: Any) -> AsyncIterator[bytes]:
         stream.cancel()
 
 
+def _response_tag(call: HTTPCall) -> str | None:
+    """The stored response this call continues or reads names its replica's tag."""
+    from kvmemo.server.response_store import tag_of
+
+    if call.path.startswith(_STORED_PREFIX) and call.method in ("GET", "DELETE"):
+        return tag_of(call.path[len(_STORED_PREFIX):])
+    body = call.json_body
+    if call.path == "/v1/responses" and isinstance(body, dict):
+        return tag_of(body.get("previous_response_id"))
+    return None
+
+
+_STORED_PREFIX = "/v1/responses/"
+
+
 @serve.ingress(api)
 class KvmemoIngress:
     def __init__(
@@ -81,6 +96,7 @@ class KvmemoIngress:
         )
         if request.method == "POST" and call.path in GENERATION_PATHS:
             call.block_hashes = await self._block_hashes(call)
+        call.response_tag = _response_tag(call)
         return await self._send(call)
 
     async def _block_hashes(self, call: HTTPCall) -> tuple[bytes, ...]:

@@ -41,6 +41,7 @@ class KvmemoReplica:
         from kvmemo.engine import AsyncEngine, Engine
         from kvmemo.integrations.ray_serve.kv_index import get_kv_index
         from kvmemo.server.app import create_app
+        from kvmemo.server.response_store import tag_for
         from kvmemo.server.serve import default_model_name
 
         if num_threads:  # the cores Ray gave this replica, not the whole machine's
@@ -59,7 +60,10 @@ class KvmemoReplica:
         inner.subscribe_kv_events(self._send_events)  # before the engine thread starts
         self.engine = AsyncEngine(inner, max_waiting=max_waiting)
         name = served_model_name or default_model_name(model)
-        self._app = create_app(self.engine, model_name=name, api_key=api_key)
+        # Response ids carry a tag the prefix router computes from this replica's id, so a
+        # Responses follow-up comes back here (router.py).
+        self._app = create_app(self.engine, model_name=name, api_key=api_key,
+                               replica_tag=tag_for(self.replica_id))
         self._headers = [(REPLICA_HEADER, self.replica_id)]
         logger.info("kvmemo replica %s ready (%s)", self.replica_id, name)
 

@@ -8,6 +8,8 @@ router has in flight on each replica.
 
 Invariant: only Ray's candidate replicas are ranked; a request without block hashes (not a
 generation request, or a prompt the ingress could not hash) goes to the least loaded candidate.
+A call that continues or reads a stored Responses conversation goes first to the replica whose
+id gives the response id's tag (server/response_store.py, tag_for).
 When the index does not answer in time (it lags behind replicas' events when the CPUs are busy
 prefilling), the router ranks by the routes it took itself: a prefix it sent to a replica
 still goes there.
@@ -28,6 +30,7 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 
 from kvmemo.integrations.ray_serve.kv_index import get_kv_index
 from kvmemo.routing.policy import Candidate, RoutingPolicy
+from kvmemo.server.response_store import tag_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,12 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        tag = _response_tag(pending_request)
+        holders = [r for r in candidate_replicas
+                   if tag is not None and tag_for(r.replica_id.to_full_id_str()) == tag]
+        if holders:  # a stored Responses conversation: only its replica can continue it
+            rest = [r for r in candidate_replicas if r is not holders[0]]
+            return [[holders[0]], rest] if rest else [[holders[0]]]
         hashes = _block_hashes(pending_request)
         matched = [0] * len(candidate_replicas)
         if hashes:
@@ -108,6 +117,12 @@ class KvmemoPrefixRouter(FIFOMixin, RequestRouter):
         self._index.drop.remote(replica_id.to_full_id_str())
         for block_hash in [h for h, r in self._routed.items() if r == replica_id]:
             del self._routed[block_hash]
+
+
+def _response_tag(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "response_tag", None)
 
 
 def _block_hashes(pending_request: PendingRequest | None) -> tuple[bytes, ...]:

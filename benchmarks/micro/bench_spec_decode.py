@@ -177,10 +177,14 @@ def main() -> None:
         for n in names:
             seconds, tokens, drafted, kept = totals[n]
             rate = tokens / seconds
+            # tokens / (tokens - accepted): the speed-up if verifying a draft cost nothing
+            # (each kept token saves one step), what the copied share of the replies allows.
             row[n] = {"tok_s": round(rate, 1), "speedup": round(rate / base, 2),
-                      "drafted": drafted, "accepted": kept}
+                      "drafted": drafted, "accepted": kept, "tokens": tokens,
+                      "free_verify_bound": round(tokens / (tokens - kept), 2)}
             print(f"{set_name:10s} {n:7s} {rate:6.1f} tok/s  x{rate / base:4.2f}  "
-                  f"accepted {kept}/{drafted}")
+                  f"accepted {kept}/{drafted} of {tokens} tokens  "
+                  f"(bound with free verification x{tokens / (tokens - kept):4.2f})")
         results["sets"][set_name] = row
     (RESULTS / "spec_decode.json").write_text(json.dumps(results, indent=1) + "\n")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -148,7 +149,12 @@ def engine_server(engine: str, port: int) -> tuple[list[str], str, dict[str, str
                "--served-model-name", "kvmemo-smollm2", "--max-model-len", "8192"]
     if engine == "kvmemo-dense":
         command += ["--weights", "dense", "--dtype", "float32"]
-    return command, "kvmemo-smollm2", None
+        return command, "kvmemo-smollm2", None
+    # The default mode: the benchmarks package makes `auto` dense for its side-by-side figures
+    # (benchmarks/__init__.py); this engine is the default mode, native weights in fp32. (Until
+    # 2026-11-29 it inherited that and ran dense, as kvmemo-dense does.)
+    return command, "kvmemo-smollm2", {**os.environ, "KVMEMO_WEIGHTS": "native",
+                                       "KVMEMO_DTYPE": "float32"}
 
 
 def main(argv: list[str] | None = None) -> int:

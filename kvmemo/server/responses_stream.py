@@ -62,16 +62,15 @@ class OutputItems:
         for item in output:
             if item["id"] in self.done:
                 continue
-            if item["type"] == "message" and item["id"] == self.message_id:
-                yield from self.close_message(item["content"][0]["text"], item["status"])
-            elif item["type"] == "message":
-                self.text = ""
-                self.message_id = item["id"]
-                yield from self._open_message()
+            if item["type"] == "message":
                 text = item["content"][0]["text"]
-                yield self.event("response.output_text.delta", item_id=item["id"],
-                                 output_index=self.index, content_index=0, delta=text,
-                                 logprobs=[])
+                if self.text is None or item["id"] != self.message_id:  # not streamed
+                    yield from self.close_message(self.text or "")
+                    self.text, self.message_id = "", item["id"]
+                    yield from self._open_message()
+                    yield self.event("response.output_text.delta", item_id=item["id"],
+                                     output_index=self.index, content_index=0, delta=text,
+                                     logprobs=[])
                 yield from self.close_message(text, item["status"])
             else:
                 yield self.event("response.output_item.added", output_index=self.index,

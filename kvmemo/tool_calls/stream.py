@@ -92,14 +92,6 @@ class ReplyReader:
         self._machine = self._reply()
         next(self._machine)
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self._calls)
-
-    @property
-    def emitted_text(self) -> str:
-        return self._emitted.text
-
     def read(self, new: str) -> list[StreamEvent]:
         """The events for the reply grown by `new` (pieces, not the whole text: a reply read
         token by token costs its length once)."""

@@ -72,6 +72,9 @@ def test_the_loaders_dequantize_equals_gguf_py(qtype: GGMLQuantizationType) -> N
     assert dequantize_rows_into(raw, qtype, torch.empty_like(got))  # the kernel's path, not NumPy
     with pytest.raises(ValueError, match="do not fill an output"):
         dequantize_rows_into(raw, qtype, torch.empty(2, 3, num_cols + values))
+    if values > 1:  # a row that ends inside a block: its bytes hold whole blocks only
+        with pytest.raises(ValueError, match="do not fill an output"):
+            dequantize_rows_into(raw, qtype, torch.empty(2, 3, num_cols + 1))
 
 
 @pytest.mark.parametrize("qtype", types(), ids=lambda t: t.name)

@@ -46,6 +46,9 @@ async def _rest(first: bytes, stream: Any) -> AsyncIterator[bytes]:
         stream.cancel()
 
 
+_STORED_PREFIX = "/v1/responses/"  # GET / DELETE of a stored response
+
+
 def _response_tag(call: HTTPCall) -> str | None:
     """The stored response this call continues or reads names its replica's tag."""
     from kvmemo.server.response_store import tag_of
@@ -57,8 +60,6 @@ def _response_tag(call: HTTPCall) -> str | None:
         return tag_of(body.get("previous_response_id"))
     return None
 
-
-_STORED_PREFIX = "/v1/responses/"
 
 
 @serve.ingress(api)

@@ -161,7 +161,8 @@ def dequantize_rows_into(data: np.ndarray, qtype: GGMLQuantizationType, out: tor
     rows = np.ascontiguousarray(data.reshape(-1, data.shape[-1]))
     num_cols = out.numel() // max(1, rows.shape[0])
     values, block_bytes = GGML_QUANT_SIZES[qtype]
-    if out.numel() != rows.shape[0] * num_cols or num_cols // values * block_bytes != rows.shape[1]:
+    if (out.numel() != rows.shape[0] * num_cols or num_cols % values
+            or num_cols // values * block_bytes != rows.shape[1]):
         raise ValueError(f"dequantize_rows_into: {tuple(data.shape)} bytes of {qtype.name} do not "
                          f"fill an output of {tuple(out.shape)} values")
     status = lib.rows(rows.ctypes.data, int(qtype), None, rows.shape[0], num_cols,

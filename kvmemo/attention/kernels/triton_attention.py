@@ -26,6 +26,7 @@ except ImportError:  # triton_support.triton_unavailable_reason says why nothing
     triton = None
     tl = None
 
+from kvmemo.triton_dot import interpreted_dot
 from kvmemo.triton_support import interpreting
 
 INTERPRETING = interpreting()  # fixed at import, as Triton fixes it when the kernels are defined
@@ -134,8 +135,8 @@ if triton is not None:
             v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
             k = k.to(q.dtype)  # fp8 and fp32 pages are read in the query's dtype
             v = v.to(q.dtype)
-            if UPCAST:  # the interpreter's dot is wrong for bf16: the same products, in fp32
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            if UPCAST:  # the interpreter: fp32, each row's sums its own (kvmemo/triton_dot.py)
+                s = interpreted_dot(q, tl.trans(k))
             elif FP32_DOT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -151,7 +152,9 @@ if triton is not None:
             l_sum = l_sum * alpha + tl.sum(p, 1)
             # P stays fp32: bf16 V is exact in tf32, so P.V on tf32 tensor cores loses only P's
             # 13 low mantissa bits, where flash attention's bf16 P loses 16 (fp32: exact).
-            if UPCAST or FP32_DOT:
+            if UPCAST:
+                pv = interpreted_dot(p, v)
+            elif FP32_DOT:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")

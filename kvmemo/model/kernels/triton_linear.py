@@ -9,7 +9,7 @@ whatever M is. Rows of a tile never mix (padding rows load zeros and are not sto
 not specialised on (do_not_specialize), so a row's bits depend on its own activations only.
 
 Under TRITON_INTERPRET=1 the kernel runs on CPU tensors in NumPy (how `make test` checks it);
-the interpreter's tl.dot is wrong for bf16, so there operands are widened to fp32 first (UPCAST).
+there the product is `interpreted_dot` (fp32, rows summed alike on any CPU: kvmemo/triton_dot.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ except ImportError:  # triton_support.triton_unavailable_reason says why nothing
     triton = None
     tl = None
 
+from kvmemo.triton_dot import interpreted_dot
 from kvmemo.triton_support import TRITON_DTYPES, interpreting
 
 INTERPRETING = interpreting()  # fixed at import, as Triton fixes it when kernels are defined
@@ -72,7 +73,7 @@ if triton is not None:
             w = tl.load(w_ptr + cols[None, :] * stride_wn + kk[:, None],
                         mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
             if UPCAST:
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                acc += interpreted_dot(x, w)
             elif FP32:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
             else:

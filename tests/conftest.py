@@ -77,6 +77,23 @@ def _release_dropped_engines():
     _collect_above = max(3 * _GIB, _resident_bytes() + 2 * _GIB)
 
 
+# The modules that take longest (one to three minutes each on a 2-core AVX2 machine) start first:
+# `make test`'s two workers take files in collection order, and one of these collected last kept
+# one worker busy alone for minutes at the end.
+LONG_POLES = (
+    "tests/model/test_gemma3_vs_hf.py",
+    "tests/integrations/test_ray_serve.py",
+    "tests/engine/test_batch_invariance.py",
+    "tests/engine/test_prefix_caching.py",
+    "tests/model/test_fast_tokenizer.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_POLES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_POLES)))  # stable
+
+
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     from kvmemo.model.loading.loader import bundled_model_path

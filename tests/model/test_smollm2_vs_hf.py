@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from kvmemo.model.loading.loader import LoadedModel, bundled_model_path, load_model
+from kvmemo.model.loading.loader import LoadedModel, load_model
 from kvmemo.model.models.dense_attention import dense_causal_attention
 
 pytestmark = pytest.mark.model
@@ -22,27 +21,10 @@ def ours() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def theirs():
-    """transformers' own GGUF dequantization + de-permutation, in a transformers Llama.
-
-    `from_pretrained(gguf_file=...)` would do the same but insists on `accelerate`; we call its
-    GGUF loader (load_gguf_checkpoint) directly instead.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    path = Path(bundled_model_path())
-    config = AutoConfig.from_pretrained(
-        str(path.parent), gguf_file=path.name, local_files_only=True
-    )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(
-        {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False
-    )
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
+def theirs(hf_model):
+    """transformers' own GGUF dequantization and de-permutation, in a transformers Llama: the
+    session's reference model (conftest), loaded once for every module that compares with it."""
+    return hf_model
 
 
 def _last_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:

@@ -60,11 +60,12 @@ def _resident_bytes() -> int:
 
 @pytest.fixture(autouse=True)
 def _release_dropped_engines():
-    """Give dropped engines back to the system once the process holds more than it should. An
-    engine's model holds reference cycles, so a dropped `LLM` (about 1 GB of fp32 weights) waits
-    for the cyclic collector, and glibc keeps freed heap pages mapped (its mmap threshold rises as
-    large blocks are freed, so later tensors land on the heap): without this the suite's process
-    grew to 20 GB on a 24 GiB machine and Ray's memory monitor killed its Serve controller. The
+    """Give dropped engines back to the system once the process holds more than it should: an
+    engine a test leaves in a reference cycle (a closure, a traceback) waits for the cyclic
+    collector with about 1 GB of fp32 weights, and glibc keeps freed heap pages mapped (its mmap
+    threshold rises as large blocks are freed, so later tensors land on the heap). Without this
+    (and before the dense forward stopped referring back to its model) the suite's process grew
+    to 20 GB on a 24 GiB machine and Ray's memory monitor killed its Serve controller. The
     collection runs only past a threshold 2 GiB above what the last one left live (a full
     collection with torch loaded is too slow for every test)."""
     global _collect_above

@@ -73,7 +73,10 @@ class DenseForward:
     up -> down] x layers -> add + final norm, for one LlamaForCausalLM with dense weights."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model = model
+        # The model's parts, not the model: the model holds this object (model.dense_forward),
+        # and a reference back would make a cycle that keeps a dropped engine's weights (about
+        # 1 GB in fp32) until the cyclic collector runs.
+        self.rotary = model.rotary
         self.layers = cast("list[DecoderLayer]", list(model.layers))
         first = self.layers[0]
         self.dtype = model.compute_dtype
@@ -111,7 +114,7 @@ class DenseForward:
         """hidden [T, C] fp32 embeddings (not modified) -> the final-normed hidden [T, C] fp32."""
         stream = hidden.contiguous().clone()  # the residual stream, updated in place
         tokens = stream.shape[0]
-        cos, sin = self.model.rotary.cos_sin(positions, torch.float32)  # [T, 1, D/2] each
+        cos, sin = self.rotary.cos_sin(positions, torch.float32)  # [T, 1, D/2] each
         cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         pending: torch.Tensor | None = None  # the previous layer's MLP output, not yet added

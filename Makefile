@@ -38,9 +38,9 @@ ISA_SUITES := tests/test_isa.py tests/model tests/attention tests/engine/test_fu
 
 # Two pytest workers (pytest-xdist), a test file each at a time (its module fixtures load once):
 # much of the suite is one Python thread (servers, tokenizers, subprocesses), so one worker left
-# a core idle; on a 2-core AVX2 machine the suite took 17:26 alone and 13:29 this way. Their
-# OpenMP threads wait passively: two workers of two spinning threads on two cores burned the
-# cycles the other worker needed (slower than one worker).
+# a core idle; on a 2-core AVX2 machine (Zen 3) CI's main suite took 17:26 alone and 11:45-12:19
+# this way. Their OpenMP threads wait passively: two workers of two spinning threads on two
+# cores burned the cycles the other worker needed (slower than one worker).
 TEST_WORKERS ?= 2
 PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

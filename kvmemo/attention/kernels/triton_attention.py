@@ -112,7 +112,7 @@ if triton is not None:
         seg_lo, seg_hi, window, scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+        INTERPRETED: tl.constexpr, FP32_DOT: tl.constexpr,
     ):
         """Softmax state of every row over keys [seg_lo, seg_hi), from scratch, KEYS at a time
         (KEYS / BLOCK_SIZE pages, each found through the block table)."""
@@ -135,7 +135,7 @@ if triton is not None:
             v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0)
             k = k.to(q.dtype)  # fp8 and fp32 pages are read in the query's dtype
             v = v.to(q.dtype)
-            if UPCAST:  # the interpreter: fp32, each row's sums its own (kvmemo/triton_dot.py)
+            if INTERPRETED:  # fp32, each row's sums its own (kvmemo/triton_dot.py)
                 s = interpreted_dot(q, tl.trans(k))
             elif FP32_DOT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -152,7 +152,7 @@ if triton is not None:
             l_sum = l_sum * alpha + tl.sum(p, 1)
             # P stays fp32: bf16 V is exact in tf32, so P.V on tf32 tensor cores loses only P's
             # 13 low mantissa bits, where flash attention's bf16 P loses 16 (fp32: exact).
-            if UPCAST:
+            if INTERPRETED:
                 pv = interpreted_dot(p, v)
             elif FP32_DOT:
                 pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -171,7 +171,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ph, stride_pb, stride_table,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, SEG: tl.constexpr,
-        SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+        SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, INTERPRETED: tl.constexpr,
         FP32_DOT: tl.constexpr,
     ):
         tile = tl.program_id(0)
@@ -204,7 +204,7 @@ if triton is not None:
                 m, l_sum, acc = _segment_state(
                     q, q_pos, seq, kvh, k_ptr, v_ptr, tables_ptr, stride_table, stride_ph,
                     stride_pb, seg_lo, seg_hi, window, scale, HEAD_DIM, BLOCK_D, BLOCK_M,
-                    BLOCK_SIZE, KEYS, HAS_WINDOW, UPCAST, FP32_DOT,
+                    BLOCK_SIZE, KEYS, HAS_WINDOW, INTERPRETED, FP32_DOT,
                 )
             part = ((tile * tl.num_programs(1) + kvh) * num_splits + split).to(tl.int64)
             rows = tl.arange(0, BLOCK_M)
@@ -223,7 +223,7 @@ if triton is not None:
                 m, l_sum, acc = _segment_state(
                     q, q_pos, seq, kvh, k_ptr, v_ptr, tables_ptr, stride_table, stride_ph,
                     stride_pb, seg_lo, seg_hi, window, scale, HEAD_DIM, BLOCK_D, BLOCK_M,
-                    BLOCK_SIZE, KEYS, HAS_WINDOW, UPCAST, FP32_DOT,
+                    BLOCK_SIZE, KEYS, HAS_WINDOW, INTERPRETED, FP32_DOT,
                 )
                 m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m, l_sum, acc)
             out = acc_run / l_run[:, None]
@@ -388,7 +388,7 @@ def paged_attention(
         k_pages.stride(0), k_pages.stride(1), block_tables.stride(0),
         BLOCK_SIZE=block_size, KEYS=keys_per_step(block_size, q.device), SEG=SEGMENT,
         SPLIT=split, HAS_WINDOW=sliding_window is not None,
-        UPCAST=INTERPRETING, FP32_DOT=fp32, **common,
+        INTERPRETED=INTERPRETING, FP32_DOT=fp32, **common,
     )
     if split:
         _reduce_kernel[(plan.num_tiles, num_kv_heads)](

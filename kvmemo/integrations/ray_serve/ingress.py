@@ -61,7 +61,6 @@ def _response_tag(call: HTTPCall) -> str | None:
     return None
 
 
-
 @serve.ingress(api)
 class KvmemoIngress:
     def __init__(

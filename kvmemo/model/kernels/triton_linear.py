@@ -59,7 +59,7 @@ if triton is not None:
     def _linear_kernel(
         x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
         stride_xm, stride_wn, stride_om,
-        HAS_BIAS: tl.constexpr, FP32: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_BIAS: tl.constexpr, FP32: tl.constexpr, INTERPRETED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,7 +72,7 @@ if triton is not None:
                         mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(w_ptr + cols[None, :] * stride_wn + kk[:, None],
                         mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-            if UPCAST:
+            if INTERPRETED:
                 acc += interpreted_dot(x, w)
             elif FP32:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
@@ -110,7 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     _linear_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, UPCAST=INTERPRETING,
+        HAS_BIAS=bias is not None, FP32=x.dtype == torch.float32, INTERPRETED=INTERPRETING,
         BLOCK_M=shape.block_m, BLOCK_N=shape.block_n, BLOCK_K=shape.block_k,
         num_warps=shape.num_warps, num_stages=shape.num_stages,
     )

@@ -63,8 +63,9 @@ class EngineConfig:
     # cascade prefixes, use flash prefill and split keys over threads: faster, with last-bit
     # differences between those cases (attention/invariant.py)
     batch_invariant: bool = True
-    # CUDA only: decode steps run eagerly instead of replaying CUDA graphs captured per
-    # batch-size bucket (engine/cuda_graphs.py), as vLLM's enforce_eager
+    # Decode steps run layer by layer from Python: on CUDA instead of replaying CUDA graphs
+    # captured per batch-size bucket (engine/cuda_graphs.py), as vLLM's enforce_eager; on the CPU
+    # instead of one C call for the layers (engine/decode_chain.py). Same tokens either way.
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_partial_reuse: bool = True  # copy the KV of a partially filled matching block

@@ -71,7 +71,8 @@ def add_engine_flags(
     )
     g.add_argument(
         "--enforce-eager", action="store_true",
-        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (default: graphs)",
+        help="run decode steps layer by layer from Python instead of replaying CUDA graphs "
+             "(CUDA) or calling the layers in one C call (CPU); same tokens (default: off)",
     )
     g.add_argument(
         "--max-num-batched-tokens", type=int, default=batched_tokens,

@@ -24,6 +24,7 @@ from kvmemo.engine.blend_driver import BlendDriver, BlendSettings
 from kvmemo.engine.code_pages import release_torch_code_pages
 from kvmemo.engine.cpu_malloc import keep_freed_memory, return_freed_memory
 from kvmemo.engine.cuda_graphs import DecodeGraphs, decode_graphs_apply
+from kvmemo.engine.decode_chain import DecodeChain
 from kvmemo.engine.encoder_cache import EncoderCache
 from kvmemo.engine.kv_setup import build_kv, build_kv_connector
 from kvmemo.engine.model_runner import ModelRunner
@@ -165,6 +166,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
             loaded.model, kv_cache, runner.attention_backend, max_model_len,
             config.max_num_seqs, arch.num_attention_heads,
         )
+    if not config.enforce_eager:
+        runner.decode_chain = DecodeChain.build(loaded.model, kv_cache, runner.attention_backend,
+                                                runner.scale)
     outputs = OutputProcessor(loaded.tokenizer, processor.reply_tokens, scheduler.finish_request)
     drafts = None
     if config.speculative_config is not None:

@@ -30,6 +30,7 @@ from kvmemo.kv.layout import KVGroup
 if TYPE_CHECKING:
     from kvmemo.connector.base import KVConnector
     from kvmemo.engine.cuda_graphs import DecodeGraphs
+    from kvmemo.engine.decode_chain import DecodeChain
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class ModelRunner:
         }
         # CUDA: decode steps replay captured graphs (cuda_graphs.py); set by the engine.
         self.decode_graphs: DecodeGraphs | None = None
+        # CPU: decode steps' layers in one C call (decode_chain.py); set by the engine.
+        self.decode_chain: DecodeChain | None = None
         # Debug hook for tests: keep the last step's sampling logits.
         self.capture_logits = False
         self.last_logits: torch.Tensor | None = None
@@ -178,11 +181,17 @@ class ModelRunner:
              torch.tensor(row_of, dtype=torch.int64)], self.device)
         multimodal = self._multimodal_embeds(seqs, ids, metadata)
         hidden = None
-        if self.decode_graphs is not None and not multimodal and len(ids) == len(seqs):
+        decoding = not multimodal and len(ids) == len(seqs)  # one new token per sequence
+        if self.decode_graphs is not None and decoding:
             hidden = self.decode_graphs.run(ids, positions_t, metadata)  # None: not this step
+        layer_metadata = None
+        if hidden is None and self.decode_chain is not None and decoding:
+            layer_metadata = self._layer_metadata(seqs, metadata)
+            hidden = self.decode_chain.run(ids, positions_t, layer_metadata)  # None: not this step
         if hidden is None:
             hidden = self.model(
-                ids, positions_t, self._attention_fn(self._layer_metadata(seqs, metadata)),
+                ids, positions_t,
+                self._attention_fn(layer_metadata or self._layer_metadata(seqs, metadata)),
                 **multimodal,
             )  # [T, hidden]
         prompt_logprobs = (

@@ -35,17 +35,6 @@ def model(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def default_env():
-    """The default mode: what a user gets without options (the suite's conftest pins the exact
-    mode through these variables)."""
-    saved = {name: os.environ.pop(name, None) for name in ("KVMEMO_WEIGHTS", "KVMEMO_DTYPE")}
-    yield
-    for name, value in saved.items():
-        if value is not None:
-            os.environ[name] = value
-
-
-@pytest.fixture(scope="module")
 def batched(model, default_env):
     """Every request in one batch, on a cold engine: what the other cases must equal."""
     llm = LLM(model, kv_cache_memory="256MiB")

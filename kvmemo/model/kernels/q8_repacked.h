@@ -54,15 +54,20 @@ static inline int64_t packed_run_bytes(int type) {
     return codes_bytes(type) + scales;
 }
 
-/* Whether this build's kernel takes `type` repacked. Q8_0's codes become w + 128 (up to 255),
- * whose pairs of products overflow AVX2's int16 vpmaddubsw: there only a VNNI dot takes them. */
-static inline int repacks(int type) {
+/* Q8_0's codes are repacked as w + 128 (up to 255, c = -128 s) for a VNNI dot. Without one
+ * (AVX2's vpmaddubsw), pairs of such products overflow int16 (2 * 255 * 127), so there the codes
+ * stay signed (c = 0) and each quad's product is |w| against x carrying w's sign, whose pairs
+ * stay within it (2 * 128 * 127), as llama.cpp's AVX2 Q8_0 dot does. */
 #if Q8_REPACKED == 256 && !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    return type != T_Q8_0;
+#define Q8_SIGNED_CODES 1
 #else
+#define Q8_SIGNED_CODES 0
+#endif
+
+/* Whether this build's kernel takes `type` repacked: every type it reads. */
+static inline int repacks(int type) {
     (void)type;
     return 1;
-#endif
 }
 
 /* Bytes of a repacked [N, K] weight, 0 when this build has no repacked kernel for it. */
@@ -104,7 +109,7 @@ int kvmemo_q8_repack(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
             for (int64_t j = 0; j < nb; j++) {
                 uint8_t *run = out + (gi * nb + j) * run_bytes, *scales = run + cb;
                 run_t u = unpack(type, row, j);
-                if (type == T_Q8_0) u.u ^= 0x80; /* signed codes w -> w + 128; c is -128 s */
+                if (type == T_Q8_0 && !Q8_SIGNED_CODES) u.u ^= 0x80; /* w -> w + 128, c = -128 s */
                 for (int g = 0; g < 8; g++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t code = u.u[4 * g + i];
@@ -235,7 +240,8 @@ static inline __m256i dot_quad(__m256i sum, __m256i codes, int32_t x) {
 /* Without a VNNI dot, quads whose vpmaddubsw pair sums add in int16 before one vpmaddwd: codes
  * up to 31 give pairs up to 2 * 31 * 127, four of which fit int16; Q6_K's up to 63, two. */
 static inline int int16_quads(int type) {
-    const int quads = bit_planes(type) >= 2 ? 2 : 4;
+    /* Q8_0's signed pairs (up to 2 * 128 * 127) take int16 one quad at a time */
+    const int quads = bit_planes(type) < 0 ? 1 : bit_planes(type) >= 2 ? 2 : 4;
     return quads < GROUP / 4 ? quads : GROUP / 4; /* and never past the activation group */
 }
 #endif
@@ -282,6 +288,10 @@ static inline __attribute__((always_inline)) void packed_tile(
                 } else {
                     w = _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));
                 }
+#if !defined(HAVE_DOT_VNNI)
+                /* signed Q8_0 codes (Q8_SIGNED_CODES): |w| here, w's sign on each row's x */
+                const __m256i magnitude = type == T_Q8_0 ? _mm256_abs_epi8(w) : w;
+#endif
                 const int last = g % (GROUP / 4) == GROUP / 4 - 1;
                 for (int r = 0; r < R; r++) {
                     int32_t codes;
@@ -289,7 +299,9 @@ static inline __attribute__((always_inline)) void packed_tile(
 #if defined(HAVE_DOT_VNNI)
                     dot[r] = dot_quad(g % (GROUP / 4) ? dot[r] : _mm256_setzero_si256(), w, codes);
 #else
-                    const __m256i p16 = _mm256_maddubs_epi16(w, _mm256_set1_epi32(codes));
+                    const __m256i x = _mm256_set1_epi32(codes);
+                    const __m256i p16 = _mm256_maddubs_epi16(
+                        magnitude, type == T_Q8_0 ? _mm256_sign_epi8(x, w) : x);
                     pairs[r] = g % span == 0 ? p16 : _mm256_add_epi16(pairs[r], p16);
                     if (g % span != span - 1) continue;
                     const __m256i p32 = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
@@ -307,7 +319,7 @@ static inline __attribute__((always_inline)) void packed_tile(
             if (half_scales(type)) {
                 sa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + cb + 16 * half)));
                 ca = type == T_Q8_0
-                         ? _mm256_mul_ps(sa, _mm256_set1_ps(-128.0f))
+                         ? _mm256_mul_ps(sa, _mm256_set1_ps(Q8_SIGNED_CODES ? 0.0f : -128.0f))
                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + cb + 32 + 16 * half)));
             } else {
                 const float *sc = (const float *)(run + cb) + 8 * half;
@@ -327,7 +339,8 @@ static inline __attribute__((always_inline)) void packed_tile(
                     acc[r] = _mm256_fmadd_ps(cbv, _mm256_set1_ps(h[1]), acc[r]);
                 } else {
                     acc[r] = _mm256_fmadd_ps(fa[r], sa, acc[r]);
-                    acc[r] = _mm256_fmadd_ps(ca, _mm256_set1_ps(h[0] + h[1]), acc[r]);
+                    if (type != T_Q8_0 || !Q8_SIGNED_CODES) /* signed codes: no offset */
+                        acc[r] = _mm256_fmadd_ps(ca, _mm256_set1_ps(h[0] + h[1]), acc[r]);
                 }
             }
         }

@@ -12,8 +12,8 @@
  * vpmaddwd on AVX2, a plain loop elsewhere. Where the build has vectors (AVX2 and up), weights
  * are repacked once at load so that a vector's lanes are 16 output rows (q8_repacked.h): that
  * kernel serves every row count. The row-by-row kernel below reads the GGUF bytes as they are:
- * for plain x86-64 and the weights a build does not repack (Q8_0 on AVX2 without VNNI, whose
- * signed codes go as |w| . sign(q, w)).
+ * for plain x86-64 and a weight whose scales the repacked layout cannot hold (kvmemo_q8_repack's
+ * status 2). Q8_0's signed codes go as |w| . sign(q, w) on AVX2 without VNNI, in both.
  *
  * Invariant: y equals F.linear(x', dequantize(W)) to fp32 rounding, where x' = d * code is x
  * after that quantization (so |y - F.linear(x, W)| <= sum_k |W[n, k]| * d(k) / 2, plus
@@ -32,6 +32,7 @@
 #endif
 
 #include "gguf_types.h"
+#include "q8_api.h"
 #include "vec_exp.h"
 
 enum { MAX_M = 32 };
@@ -256,7 +257,7 @@ static inline __m256 half_lanes(float a, float b) { return _mm256_setr_ps(a, a, 
 #endif
 
 /* Int8Weights repacks every weight for q8_repacked.h's kernel: 512-bit with VNNI, else 256-bit
- * (AVX2, F16C; Q8_0 only with a VNNI dot, see repacks()). */
+ * (AVX2, F16C; Q8_0's codes signed without a VNNI dot, see Q8_SIGNED_CODES). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512VNNI__)
 #define Q8_REPACKED 512
@@ -436,25 +437,6 @@ static int kernel_for(int type, rows_fn *fn, int64_t *values, int64_t *bytes) {
     }
 }
 
-/* What a decoder layer does around a product, folded into the call so that a decode step pays
- * one call instead of a handful of small tensor ops (each costs more than its arithmetic). */
-typedef struct {
-    const float *norm; /* RMSNorm each x row first: x * rsqrt(mean(x^2) + eps) * norm[k] */
-    float eps;              /* every norm's of the call */
-    int32_t gated;          /* x rows are [gate | up], 2K wide: the input is act(gate) * up */
-    const float *residual;  /* y = residual + product, rows ldr apart (not y: y is written first) */
-    int64_t ldr;
-    const float *cos, *sin; /* rotate-half RoPE over y's first rope_cols columns, [M, D/2] */
-    int64_t rope_cols, head_dim;
-    /* Gemma's block shape: */
-    int32_t gelu;           /* act is tanh-GELU (else SiLU) */
-    const float *q_norm, *k_norm; /* RMSNorm of each head_dim-wide head of y's first q_cols
-                                   * columns (q_norm), then of the next k_cols (k_norm), before
-                                   * RoPE */
-    int64_t q_cols, k_cols;
-    const float *post_norm; /* RMSNorm of each y row (the product) before the residual add */
-} q8_options;
-
 /* out = x * rsqrt(mean(x^2) + eps) * w over n values (out may be x). */
 static inline void rmsnorm_row(const float *x, int64_t n, const float *w, float eps, float *out) {
     float ss = 0.0f;
@@ -523,18 +505,6 @@ static void finish_rows(float *y, int64_t M, int64_t N, int64_t ldy, const q8_op
 }
 
 #include "q8_repacked.h"
-
-enum { MAX_PARTS = 8 };
-
-/* Weights [N_p, K] in their GGUF bytes, each of its own type, that one product multiplies: their
- * outputs are consecutive column ranges (a fused q/k/v or gate/up). */
-typedef struct {
-    int64_t num_parts, K;
-    const uint8_t *W[MAX_PARTS];
-    int32_t types[MAX_PARTS];
-    int64_t N[MAX_PARTS];
-    const uint8_t *packed[MAX_PARTS]; /* the part repacked (kvmemo_q8_repack), or NULL */
-} q8_weights;
 
 /* y[M, sum N_p] = q8(x')[M, K] . [W_0; W_1; ...]^T, x' = x after the options' norm or gating.
  * x' is quantized here (kvmemo_quantize_q8), and one parallel loop covers every part, so a small

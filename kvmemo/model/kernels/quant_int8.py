@@ -81,8 +81,8 @@ def kernel_library(march: str = "native") -> _Library | None:
 MAX_PARTS = 8  # the kernel's limit of weights per product
 
 
-class _Weights(ctypes.Structure):
-    """The C kernel's q8_weights."""
+class WeightsStruct(ctypes.Structure):
+    """The C kernel's q8_weights (kernels/q8_api.h)."""
 
     _fields_ = [
         ("num_parts", _i64), ("K", _i64), ("W", _p * MAX_PARTS),
@@ -91,8 +91,8 @@ class _Weights(ctypes.Structure):
     ]
 
 
-class _Options(ctypes.Structure):
-    """The C kernel's q8_options."""
+class OptionsStruct(ctypes.Structure):
+    """The C kernel's q8_options (kernels/q8_api.h)."""
 
     _fields_ = [
         ("norm", _p), ("eps", ctypes.c_float), ("gated", ctypes.c_int32),
@@ -202,9 +202,9 @@ def _page_out(data: torch.Tensor) -> None:
 class Int8Weights:
     """Quantized weights [N_p, K] that one kernel call multiplies, writing consecutive column
     ranges of one output (a fused q/k/v or gate/up, which may mix GGUF types). Where this CPU's
-    build has the repacked kernel (AVX2 and up; Q8_0 on AVX2 only with a VNNI dot), the weights
-    are repacked for it here, once, and every row count takes it; elsewhere (plain x86-64) the
-    kernel reads the GGUF bytes as they are."""
+    build has the repacked kernel (AVX2 and up), the weights are repacked for it here, once,
+    and every row count takes it; elsewhere (plain x86-64) the kernel reads the GGUF bytes as
+    they are."""
 
     def __init__(self, weights: Sequence[QuantizedWeight]) -> None:
         if not 1 <= len(weights) <= MAX_PARTS:
@@ -223,7 +223,7 @@ class Int8Weights:
         self.weights = tuple(weights)  # keeps the bytes the pointers below point into alive
         self.num_cols = weights[0].num_cols
         self.num_out = sum(w.shape[0] for w in weights)
-        self.struct = _Weights(num_parts=len(weights), K=self.num_cols)
+        self.struct = WeightsStruct(num_parts=len(weights), K=self.num_cols)
         self.packed = [repacked(w) for w in weights]
         for i, w in enumerate(weights):
             self.struct.W[i] = w.data.data_ptr()
@@ -258,8 +258,18 @@ class Int8Weights:
         assert status == 0, f"quant_linear_q8 status {status}"
         return out
 
-    def _options(self, fused: Fused, rows: int, out: torch.Tensor) -> _Options:
-        options = _Options(eps=fused.eps, gated=int(fused.gated), gelu=int(fused.gelu))
+    def step_options(self, fused: Fused) -> OptionsStruct:
+        """The options of a call folding `fused` in, checked as a call's are, for a caller in C
+        that supplies each step's RoPE tables itself (layer_chain.c): cos and sin are left
+        NULL. `fused` has rope (any one-row tables) and no residual."""
+        if fused.rope is None or fused.residual is not None:
+            raise ValueError("step options fold RoPE in and no residual")
+        options = self._options(fused, 1, torch.empty(1, self.num_out))
+        options.cos = options.sin = None
+        return options
+
+    def _options(self, fused: Fused, rows: int, out: torch.Tensor) -> OptionsStruct:
+        options = OptionsStruct(eps=fused.eps, gated=int(fused.gated), gelu=int(fused.gelu))
         for name, norm, size in (("norm", fused.norm, self.num_cols),
                                  ("post_norm", fused.post_norm, self.num_out)):
             if norm is not None:

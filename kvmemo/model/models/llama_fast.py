@@ -155,6 +155,10 @@ class FusedLayerStep:
                 == self.mlp_norm.numel() and self.o.num_cols == layer.q_size):
             raise ValueError("FusedLayerStep: the layer's projection shapes do not chain")
         self.input_norm, self.mlp_norm = self.input_norm.contiguous(), self.mlp_norm.contiguous()
+        # The block after attention: norms after o_proj and after the MLP (Gemma's), tanh-GELU
+        # (Gemma's) or SiLU.
+        self.post_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.gelu = False
         self.num_heads, self.num_kv_heads = layer.num_heads, layer.num_kv_heads
         self.head_dim, self.q_size, self.kv_size = layer.head_dim, layer.q_size, layer.kv_size
 
@@ -189,7 +193,7 @@ class FusedLayerStep:
     def after_attention(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o_proj, the residual adds and the MLP, in one call."""
         return mlp_block(attn, hidden, self.o, self.mlp_norm, self.mlp_eps, self.gate_up,
-                         self.down)
+                         self.down, post_norms=self.post_norms, gelu=self.gelu)
 
 
 class GemmaFusedLayerStep(FusedLayerStep):
@@ -213,6 +217,7 @@ class GemmaFusedLayerStep(FusedLayerStep):
         if len(epsilons) != 1 or self.q_norm.numel() != self.head_dim:
             raise ValueError("GemmaFusedLayerStep: one eps for every norm and head-sized q/k norms")
         self.eps = self.input_eps = self.mlp_eps = epsilons.pop()
+        self.post_norms, self.gelu = (self.post_o_norm, self.post_mlp_norm), True
 
     @staticmethod
     def fits(layer: DecoderLayer) -> bool:
@@ -230,10 +235,6 @@ class GemmaFusedLayerStep(FusedLayerStep):
     def qkv_options(self, rope: tuple[torch.Tensor, torch.Tensor, int, int]) -> Fused:
         return Fused(norm=self.input_norm, eps=self.eps, rope=rope,
                      head_norms=(self.q_norm, self.k_norm, self.q_size, self.kv_size))
-
-    def after_attention(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return mlp_block(attn, hidden, self.o, self.mlp_norm, self.eps, self.gate_up, self.down,
-                         post_norms=(self.post_o_norm, self.post_mlp_norm), gelu=True)
 
 
 def _projections_fit(layer: DecoderLayer) -> bool:

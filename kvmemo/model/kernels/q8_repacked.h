@@ -6,10 +6,10 @@
  *     codes  the unsigned code of row r, value 4g + i of the run, at index [g][r][i] (512):
  *            Q8_0 as bytes; the others as nibbles, quads 2h and 2h + 1 the low and high halves
  *            of bytes [h][r][i] (256 bytes), then one plane of bit 4 (Q5_*) or two of bits 4
- *            and 5 (Q6_K), bit [g][r][i] of 512 each (64 bytes)
+ *            and 5 (Q6_K), 512 bits each (64 bytes; plane_bit says where each sits)
  *     s[16], c[16]     the run's scale and offset per row (value = s * code + c): fp16 for the
  *            types whose scales are fp16 in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact;
- *            Q8_0 stores no c, it is -128 s), fp32 for the K-quants (a 6-bit scale times
+ *            Q8_0 stores no c: it is -128 s, or 0 where the codes stay signed), fp32 for the K-quants (a 6-bit scale times
  *            an fp16); Q6_K, whose scale changes every 16 values, has the second half's s and
  *            c after them
  * So a Q4_1 weight takes 20 bytes per 32 values, as in the file; Q5_0 24 (22), Q6_K 40 (26.25).
@@ -63,6 +63,19 @@ static inline int64_t packed_run_bytes(int type) {
 #else
 #define Q8_SIGNED_CODES 0
 #endif
+
+/* Where a code's higher bit sits in its plane (512 bits: 16 rows x 32 values of a run). The
+ * 512-bit kernel reads quad g's 64 bits as one mask: bit [g][r][i]. The 256-bit kernel reads
+ * each half's 32 bytes at once, a byte per (row, value) of a quad and bit g for quad g: two
+ * shifts and a mask put quad g's bits in place, where a mask per quad took five instructions to
+ * spread into bytes (Q5_0 is most of Gemma 3's layers). */
+static inline int64_t plane_bit(int g, int64_t r, int i) {
+#if Q8_REPACKED == 256
+    return (r * 4 + i) * 8 + g; /* byte 32 h + 4 (r - 8 h) + i for row r of half h */
+#else
+    return (g * PACK_ROWS + r) * 4 + i;
+#endif
+}
 
 /* Whether this build's kernel takes `type` repacked: every type it reads. */
 static inline int repacks(int type) {
@@ -119,8 +132,9 @@ int kvmemo_q8_repack(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                             continue;
                         }
                         run[((g / 2) * PACK_ROWS + r) * 4 + i] |= (uint8_t)((code & 15) << (4 * (g & 1)));
-                        for (int p = 0; p < planes; p++) /* bit `at` of plane p: bit 4 + p */
-                            run[256 + 64 * p + at / 8] |= (uint8_t)(((code >> (4 + p)) & 1) << (at % 8));
+                        for (int p = 0; p < planes; p++) /* bit 4 + p of the code */
+                            run[256 + 64 * p + plane_bit(g, r, i) / 8] |=
+                                (uint8_t)(((code >> (4 + p)) & 1) << (plane_bit(g, r, i) % 8));
                     }
                 if (half) {
                     inexact |= !store_half(u.sa, scales + 2 * r);
@@ -246,16 +260,6 @@ static inline int int16_quads(int type) {
 }
 #endif
 
-/* Bit i of `bits` as byte i: 0xFF where set, 0 where clear. */
-static inline __m256i expand_bits(uint32_t bits) {
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)bits),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-}
-
 static inline __attribute__((always_inline)) void packed_tile(
     int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
     const float *hs, int64_t K, float *y, int64_t ldy, int64_t live) {
@@ -274,16 +278,20 @@ static inline __attribute__((always_inline)) void packed_tile(
             const int span = int16_quads(type);
 #endif
             for (int r = 0; r < R; r++) fa[r] = fb[r] = _mm256_setzero_ps();
+            __m256i planes[2]; /* this half's bit planes: bit g of a byte is quad g's */
+            for (int p = 0; p < bit_planes(type); p++)
+                planes[p] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * p + 32 * half));
             for (int g = 0; g < 8; g++) {
                 __m256i w;
                 if (bit_planes(type) >= 0) {
                     const __m256i b = _mm256_loadu_si256((const __m256i *)(run + 64 * (g / 2) + 32 * half));
                     w = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(b, 4) : b, low);
                     for (int p = 0; p < bit_planes(type); p++) {
-                        uint32_t bits; /* this half's 32 codes of quad g: a bit each */
-                        memcpy(&bits, run + 256 + 64 * p + 8 * g + 4 * half, 4);
-                        w = _mm256_or_si256(w, _mm256_and_si256(expand_bits(bits),
-                                                                _mm256_set1_epi8((char)(16 << p))));
+                        /* bit g of each byte to bit 4 + p, within the byte (plane_bit) */
+                        const int shift = 4 + p - g;
+                        const __m256i moved = shift >= 0 ? _mm256_slli_epi16(planes[p], shift)
+                                                         : _mm256_srli_epi16(planes[p], -shift);
+                        w = _mm256_or_si256(w, _mm256_and_si256(moved, _mm256_set1_epi8((char)(16 << p))));
                     }
                 } else {
                     w = _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));

@@ -261,7 +261,8 @@ int kvmemo_quant_rows(const uint8_t *W, int type, const int64_t *ids, int64_t R,
     if (!block_shape(type, &values, &bytes)) return 1;
     if (K % values) return 2;
     const int64_t row_bytes = K / values * bytes;
-#pragma omp parallel for schedule(static)
+    /* A decode step's few rows here: waking a thread costs more than they do */
+#pragma omp parallel for schedule(static) if (R * K >= 65536)
     for (int64_t r = 0; r < R; r++) {
         const int64_t row = ids ? ids[r] : r;
         dequant_row(type, W + row * row_bytes, out + r * K, K, values, bytes);

@@ -116,6 +116,11 @@ enum { MAX_CHUNKS = 16 }; /* accumulator registers per head: D / VL */
 #endif
 #define HEADS_PER_PASS 4 /* vec_accumulate_group's most heads at once */
 #define VEC_CHUNKS(D) ((D) % VL == 0 && (D) / VL <= MAX_CHUNKS && ((D) == 64 || (D) == 128 || (D) == 256))
+/* The per-row chunked path (row_chunks.h) keeps no head's whole accumulator in registers (its
+ * values go PV_VECS vectors at a time), so it takes D = 256 on AVX2 too (32 vectors a head), where
+ * the tile path's accumulators would spill: Gemma 3's rows there took the scalar loops. */
+enum { MAX_ROW_CHUNKS = 32 };
+#define ROW_CHUNKS(D) ((D) % VL == 0 && (D) / VL <= MAX_ROW_CHUNKS && ((D) == 64 || (D) == 128 || (D) == 256))
 
 static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -310,6 +315,7 @@ static inline __attribute__((always_inline)) void vec_accumulate_group(
 #else
 #define VL 1 /* no vector path: the scalar loops below run */
 #define VEC_CHUNKS(D) 0
+#define ROW_CHUNKS(D) 0
 static inline float vec_softmax_tile(float *s, int64_t n, float *m, float *l) { return 0.0f; }
 static inline void vec_accumulate(float *acc, float alpha, const float *p, const float *V, int64_t n, int C) {}
 static inline void vec_accumulate_group(float *acc, const float *alpha, const float *p, const float *V, int64_t n, int G, int C) {}
@@ -426,7 +432,7 @@ static inline __attribute__((always_inline)) void attend_rows(
     int64_t out_stride, float *lse, int64_t lse_stride, const float *o_init,
     const float *lse_init, const float *kT_all) {
 #ifdef HAVE_VEC
-    if (!q16 && VEC_CHUNKS(D)) {
+    if (!q16 && ROW_CHUNKS(D)) {
         attend_rows_chunked(qs, k_pages, v_pages, dtype, table, kv_start, kv_lens, R, head_offset,
                             bs, G, D, out, out_stride, lse, lse_stride, o_init, lse_init, kT_all);
         return;
@@ -629,7 +635,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     int64_t *pack_off = NULL, *pack_chunks = NULL, *pack_units = NULL, *pack_keys = NULL, runs = 0;
 #ifdef HAVE_VEC
     const int q16_path = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128);
-    if (firsts && groups < B && !slots && !kv_starts && !q16_path && VEC_CHUNKS(D)
+    if (firsts && groups < B && !slots && !kv_starts && !q16_path && ROW_CHUNKS(D)
         && D <= LANES_MAX_D) {
         pack_off = malloc(sizeof(int64_t) * (size_t)(4 * groups + 1));
         if (!pack_off) { free(firsts); return 3; }

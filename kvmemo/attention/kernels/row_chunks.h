@@ -258,7 +258,50 @@ static inline __attribute__((always_inline)) void chunk_scores(
 
 /* The same scores with the keys in rows (krow[j], every entry set; no transposition, for a
  * step's few rows: decode), for the chunk's vectors of keys holding j0 .. n - 1: each key's lane
- * chains over the head's VL-wide pieces, then sum_lanes over VL keys at once. */
+ * chains over the head's VL-wide pieces, then sum_lanes over VL keys at once. On AVX2 the
+ * chains go ROW_HEADS heads x ROW_KEYS keys at once (each piece of a key loaded once for the
+ * block's heads, each piece of a head once for its keys: a head of 256 does not fit the 16
+ * registers); a chain's order is the same in any block. */
+#if VL == 8 /* AVX2: 16 registers; AVX-512 keeps a head's pieces in registers (below) */
+enum { ROW_HEADS = 2, ROW_KEYS = 4 };
+static inline __attribute__((always_inline)) void row_block(
+    const float *q, const float *const *krow, const int64_t D, const int NH, float *partial,
+    int l0) {
+    const int C = (int)(D / VL);
+    vf a[ROW_HEADS][ROW_KEYS];
+    for (int h = 0; h < NH; h++)
+        for (int k = 0; k < ROW_KEYS; k++) a[h][k] = (vf){0};
+    for (int c = 0; c < C; c++) {
+        vf kv[ROW_KEYS];
+        for (int k = 0; k < ROW_KEYS; k++) kv[k] = loadv(krow[l0 + k] + c * VL);
+        for (int h = 0; h < NH; h++) {
+            const vf qv = loadv(q + h * D + c * VL);
+            for (int k = 0; k < ROW_KEYS; k++) a[h][k] = fmav(qv, kv[k], a[h][k]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int k = 0; k < ROW_KEYS; k++) storev(partial + (h * VL + l0 + k) * VL, a[h][k]);
+}
+
+static inline __attribute__((always_inline)) void chunk_scores_rows(
+    const float *q, const float *const *krow, int RH, const int64_t D, int j0, int n, float *s) {
+    for (int v = j0 / VL; v * VL < n; v++) {
+        for (int i = 0; i < RH; i += ROW_HEADS) {
+            const int NH = RH - i < ROW_HEADS ? RH - i : ROW_HEADS;
+            float partial[ROW_HEADS * VL * VL] __attribute__((aligned(64)));
+            for (int l0 = 0; l0 < VL; l0 += ROW_KEYS) {
+                if (NH == ROW_HEADS) row_block(q + i * D, krow + v * VL, D, ROW_HEADS, partial, l0);
+                else row_block(q + i * D, krow + v * VL, D, 1, partial, l0);
+            }
+            for (int h = 0; h < NH; h++) {
+                vf lanes[VL];
+                for (int l = 0; l < VL; l++) lanes[l] = loadv(partial + (h * VL + l) * VL);
+                storev(s + (i + h) * CH + v * VL, sum_lanes(lanes));
+            }
+        }
+    }
+}
+#else
 static inline __attribute__((always_inline)) void chunk_scores_rows(
     const float *q, const float *const *krow, int RH, const int64_t D, int j0, int n, float *s) {
     const int C = (int)(D / VL);
@@ -277,6 +320,7 @@ static inline __attribute__((always_inline)) void chunk_scores_rows(
         }
     }
 }
+#endif
 
 /* acc += P V for RH row-heads over one chunk's keys j0 <= j < n, blocked PV_ROWS x PV_VECS. */
 static inline __attribute__((always_inline)) void chunk_values(float *acc, const float *alpha, const float *p, const float *const *vrow,

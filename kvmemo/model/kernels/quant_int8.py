@@ -143,8 +143,11 @@ def reads(weight: QuantizedWeight) -> bool:
 
 
 # A weight's repacked copy, made once however many Int8Weights read it (the model's layers and a
-# test's reference may share a QuantizedWeight); it lives as long as the weight.
-_REPACKED: weakref.WeakKeyDictionary[QuantizedWeight, torch.Tensor | None] = (
+# test's reference may share a QuantizedWeight); it lives as long as the weight. Kept with the
+# build that made it: builds for other targets lay codes out differently (AVX2's bit planes and
+# signed Q8_0 codes), so a weight read by another build (a test's x86-64-v3 pass on an AVX-512
+# machine) is repacked for it.
+_REPACKED: weakref.WeakKeyDictionary[QuantizedWeight, tuple[_Library, torch.Tensor | None]] = (
     weakref.WeakKeyDictionary())
 
 
@@ -160,8 +163,9 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
     """The weight in the layout of the kernel's 16-row groups (kernels/q8_repacked.h), or None
     where this CPU's build has no such kernel (then the GGUF bytes are read as they are)."""
     lib = _require()
-    if weight in _REPACKED:
-        return _REPACKED[weight]
+    cached = _REPACKED.get(weight)
+    if cached is not None and cached[0] is lib:
+        return cached[1]
     rows, qtype, cols = weight.shape[0], int(weight.qtype), weight.num_cols
     size = lib.repacked_bytes(qtype, rows, cols)
     if size == 0:
@@ -183,7 +187,7 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
         if status == 2:  # a scale beyond fp16's range: the weight is read as it is
             packed = None
             break
-    _REPACKED[weight] = packed
+    _REPACKED[weight] = (lib, packed)
     if packed is not None and weight.file_mapped:
         _page_out(weight.data)  # the pages that straddled two chunks
     return packed

@@ -14,8 +14,8 @@ Python between its ~120 kernel calls (docs/benchmarks.md, "Back on an AVX2 machi
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 import torch
 
@@ -37,6 +37,8 @@ from kvmemo.model.models.llama import LlamaForCausalLM
 from kvmemo.model.models.llama_fast import FusedLayerStep
 from kvmemo.model.models.llama_layer import DecoderLayer
 
+T = TypeVar("T")
+
 
 class DecodeChain:
     """One model's layers, weights and pages as layer_chain.c's structs, built once."""
@@ -48,7 +50,6 @@ class DecodeChain:
         self.model, self.kv_cache, self.function = model, kv_cache, function
         self.steps = steps  # keeps the weights and norms the structs point into alive
         first = steps[0]
-        self.num_layers, self.head_dim = len(steps), first.head_dim
         self.layers = (ChainLayer * len(steps))()
         for index, step in enumerate(steps):
             half = step.head_dim // 2
@@ -56,8 +57,9 @@ class DecodeChain:
                     step.head_dim)
             post_o, post_mlp = step.post_norms if step.post_norms is not None else (None, None)
             self.layers[index] = ChainLayer(
-                qkv=_address(step.qkv.struct), o_proj=_address(step.o.struct),
-                gate_up=_address(step.gate_up.struct), down=_address(step.down.struct),
+                qkv=ctypes.addressof(step.qkv.struct), o_proj=ctypes.addressof(step.o.struct),
+                gate_up=ctypes.addressof(step.gate_up.struct),
+                down=ctypes.addressof(step.down.struct),
                 qkv_options=step.qkv.step_options(step.qkv_options(rope)),
                 mlp_norm=step.mlp_norm.data_ptr(),
                 post_o_norm=None if post_o is None else post_o.data_ptr(),
@@ -123,9 +125,7 @@ class DecodeChain:
             return None
         rows = ids.shape[0]
         tables = self.model.rope_tables(positions, torch.float32)  # per layer: [B, 1, D/2] x 2
-        index: dict[int, int] = {}
-        layer_tables = tuple(index.setdefault(id(cos), len(index)) for cos, _ in tables)
-        unique = list({id(cos): (cos, sin) for cos, sin in tables}.values())
+        unique, layer_tables = _distinct(tables, key=lambda pair: id(pair[0]))
         if any(t.dtype != torch.float32 or not t.is_contiguous() for pair in unique for t in pair):
             return None
         if layer_tables != self.layer_tables or layer_groups != self.layer_groups:
@@ -150,9 +150,7 @@ class DecodeChain:
         """The step's attention groups (one per distinct metadata, its RowPlan appended to
         `plans`) and each layer's, or None when a group is not a decode step the batch-invariant
         write-and-decode call serves."""
-        index: dict[int, int] = {}
-        layer_groups = tuple(index.setdefault(id(m), len(index)) for m in layer_metadata)
-        distinct = list({id(m): m for m in layer_metadata}.values())
+        distinct, layer_groups = _distinct(layer_metadata)
         groups = (ChainGroup * len(distinct))()
         for i, metadata in enumerate(distinct):
             if (any(n != 1 for n in metadata.query_lens)
@@ -174,5 +172,12 @@ class DecodeChain:
         return groups, layer_groups
 
 
-def _address(struct: ctypes.Structure) -> int:
-    return ctypes.addressof(struct)
+def _distinct(items: Sequence[T], key: Callable[[T], int] = id,
+              ) -> tuple[list[T], tuple[int, ...]]:
+    """The distinct items (by `key`, in first-seen order) and each item's index among them."""
+    index: dict[int, int] = {}
+    distinct: list[T] = []
+    for item in items:
+        if index.setdefault(key(item), len(distinct)) == len(distinct):
+            distinct.append(item)
+    return distinct, tuple(index[key(item)] for item in items)

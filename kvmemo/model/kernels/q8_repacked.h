@@ -293,6 +293,7 @@ static inline __attribute__((always_inline)) void packed_tile(
                     planes[h][p] = _mm256_loadu_si256(
                         (const __m256i *)(run + 256 + 64 * p + 32 * (half0 + h)));
             }
+#pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
                 const int last = g % (GROUP / 4) == GROUP / 4 - 1;
                 int32_t codes[PACK_TILE]; /* each row's 4 codes of quad g */

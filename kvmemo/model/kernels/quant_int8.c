@@ -86,6 +86,49 @@ static inline void quantize16(const float *x, int8_t *q, __m512 *d_out, __m512 *
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BW__)
+/* The largest of a vector's 8 lanes, in every lane (max is exact: the order does not matter). */
+static inline __m256 lanes_max(__m256 a) {
+    a = _mm256_max_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    a = _mm256_max_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_max_ps(a, _mm256_permute2f128_ps(a, a, 1));
+}
+
+/* One group of 16 values (GROUP == 16) as the scalar loop below quantizes them, bit for bit:
+ * NaN counts as 0 in the amax (as fmaxf skips it) and codes as 0. Writes the 16 codes; returns
+ * d and d * sum * 4 / GROUP in lane 0 of each. (The scalar loop called libm's fmaxf per value:
+ * 8% of Gemma 3's prefill on Zen 3.) */
+static inline void quantize16_avx2(const float *x, int8_t *q, float *d_out, float *c_out) {
+    const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 a0 = _mm256_and_ps(_mm256_andnot_ps(sign, v0), _mm256_cmp_ps(v0, v0, _CMP_ORD_Q));
+    const __m256 a1 = _mm256_and_ps(_mm256_andnot_ps(sign, v1), _mm256_cmp_ps(v1, v1, _CMP_ORD_Q));
+    const __m256 d = _mm256_mul_ps(lanes_max(_mm256_max_ps(a0, a1)), _mm256_set1_ps(1.0f / 127.0f));
+    const __m256 normal = _mm256_cmp_ps(d, _mm256_set1_ps(0x1p-126f), _CMP_GE_OQ);
+    const __m256 id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), d), normal);
+    __m256i codes[2];
+    const __m256 v[2] = {v0, v1};
+    for (int i = 0; i < 2; i++) {
+        const __m256 scaled = _mm256_mul_ps(v[i], id);
+        const __m256 r = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        /* NaN (from x NaN, or inf * 0) codes as 0 */
+        codes[i] = _mm256_and_si256(_mm256_cvtps_epi32(r),
+                                    _mm256_castps_si256(_mm256_cmp_ps(scaled, scaled, _CMP_ORD_Q)));
+    }
+    /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[0], codes[1]), _MM_SHUFFLE(3, 1, 2, 0));
+    const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+    _mm_storeu_si128((__m128i *)q, w8);
+    __m256i sum = _mm256_add_epi32(codes[0], codes[1]);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    const float dd = _mm256_cvtss_f32(d);
+    *d_out = dd;
+    *c_out = dd * (float)_mm_cvtsi128_si32(s4) * (4.0f / GROUP);
+}
+#endif
+
 int kvmemo_quantize_q8(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *xq, float *xd) {
     if (K % 32) return 2;
     const int64_t nb = K / 32;
@@ -105,6 +148,19 @@ int kvmemo_quantize_q8(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t
                 _mm256_storeu_ps(c, _mm512_castps512_ps256(_mm512_permutex2var_ps(c0, firsts, c1)));
             }
         }
+        return 0;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (GROUP == 16) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                float *e = xd + m * 16 * nb + 8 * b, *c = e + 8 * nb;
+                for (int g = 0; g < 2; g++) {
+                    float d, dc;
+                    quantize16_avx2(x + m * ldx + 32 * b + 16 * g, xq + m * K + 32 * b + 16 * g, &d, &dc);
+                    for (int i = 0; i < 4; i++) e[4 * g + i] = d, c[4 * g + i] = dc;
+                }
+            }
         return 0;
     }
 #endif

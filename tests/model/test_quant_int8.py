@@ -123,8 +123,9 @@ def test_every_build_quantizes_activations_to_the_same_bits(
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qtype: GGMLQuantizationType,
                                                               build: str) -> None:
     """Batch invariance, every type and build: 1,030 rows in one call (several passes of x rows,
-    weights unpacked ahead once per pass) give each row the bits it gets alone or in a call of 5
-    (one tile of 4 and a tail) or 1,024 rows (pass boundaries elsewhere)."""
+    weights unpacked ahead once per pass) give each row the bits it gets alone, in a call of 5
+    (one tile of 4 and a tail), of 9 or 17 (AVX2: from 8 or 16 rows a group's codes are unpacked
+    to bytes first) or of 1,024 rows (pass boundaries elsewhere)."""
     values, _ = GGML_QUANT_SIZES[qtype]
     weight, _ = _weight(qtype, 37, 3 * max(values, 32), seed=5)
     x = torch.randn(1030, weight.num_cols, generator=torch.Generator().manual_seed(6))
@@ -133,7 +134,8 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qtype: GGMLQuantiz
     assert torch.equal(kernel(x[6:]), whole[6:])
     for start in (0, 3, 511, 1025):
         assert torch.equal(kernel(x[start:start + 1]), whole[start:start + 1]), start
-        assert torch.equal(kernel(x[start:start + 5]), whole[start:start + 5]), start
+        for rows in (5, 9, 17):
+            assert torch.equal(kernel(x[start:start + rows]), whole[start:start + rows]), (start, rows)
 
 
 @pytest.mark.parametrize("qtype", sorted(INT8_TYPES, key=lambda t: t.name), ids=lambda t: t.name)

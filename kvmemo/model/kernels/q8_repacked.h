@@ -260,6 +260,56 @@ static inline int int16_quads(int type) {
 }
 #endif
 
+/* Quad g of a run's codes for one half (8 weight rows) of a group, as bytes; planes[p] is that
+ * half's plane p (bit g of a byte is quad g's). */
+static inline __attribute__((always_inline)) __m256i packed_codes(int type, const uint8_t *run, int half,
+                                                                  int g, const __m256i *planes) {
+    if (bit_planes(type) < 0) return _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(run + 64 * (g / 2) + 32 * half));
+    __m256i w = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(b, 4) : b, _mm256_set1_epi8(0x0F));
+    for (int p = 0; p < bit_planes(type); p++) {
+        /* bit g of each byte to bit 4 + p, within the byte (plane_bit) */
+        const int shift = 4 + p - g;
+        const __m256i moved = shift >= 0 ? _mm256_slli_epi16(planes[p], shift)
+                                         : _mm256_srli_epi16(planes[p], -shift);
+        w = _mm256_or_si256(w, _mm256_and_si256(moved, _mm256_set1_epi8((char)(16 << p))));
+    }
+    return w;
+}
+
+/* A group's codes as bytes, [run][quad][half][32] (Q8_0's layout), into out (nb * 512 bytes). */
+static void unpack_group(int type, const uint8_t *group, int64_t nb, uint8_t *out) {
+    const int64_t run_bytes = packed_run_bytes(type);
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *run = group + j * run_bytes;
+        for (int half = 0; half < 2; half++) {
+            __m256i planes[2];
+            for (int p = 0; p < bit_planes(type); p++)
+                planes[p] = _mm256_loadu_si256((const __m256i *)(run + 256 + 64 * p + 32 * half));
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++)
+                _mm256_storeu_si256((__m256i *)(out + j * 512 + 64 * g + 32 * half),
+                                    packed_codes(type, run, half, g, planes));
+        }
+    }
+}
+
+enum { UNPACK_ROWS = 8, UNPACK_NIBBLE_ROWS = 16, BYTES_TILE = 4 };
+
+/* This thread's buffer for one group's codes as bytes (nb runs of 512), grown as needed and
+ * kept for the thread's life: 16 bytes per input column. NULL without memory (the caller
+ * then unpacks as it goes). */
+static uint8_t *group_bytes(int64_t nb) {
+    static __thread uint8_t *buffer;
+    static __thread int64_t runs;
+    if (runs < nb) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)nb * 512);
+        runs = buffer ? nb : 0;
+    }
+    return buffer;
+}
+
 /* Rows [0, R) of x against one group of 16 weight rows -> y[m * ldy + 0..live), the group's two
  * halves of 8 rows in H passes: one row of Q8_0 takes both halves in one pass (each code line
  * read once, each quad of x broadcast once: its in-cache products 5-15% faster on Zen 3); more
@@ -268,12 +318,12 @@ static inline int int16_quads(int type) {
  * either way. */
 static inline __attribute__((always_inline)) void packed_tile(
     int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
-    const float *hs, int64_t K, float *y, int64_t ldy, int64_t live) {
+    const float *hs, int64_t K, float *y, int64_t ldy, int64_t live, int from_bytes,
+    const uint8_t *bytes) {
     enum { MAX_H = 2 };
     const int H = R == 1 && bit_planes(type) < 0 ? 2 : 1;
     const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
     const int split = split_scales(type);
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int half0 = 0; half0 < 2 && 8 * half0 < live; half0 += H) {
         __m256 acc[MAX_H][PACK_TILE];
         for (int h = 0; h < H; h++)
@@ -289,7 +339,7 @@ static inline __attribute__((always_inline)) void packed_tile(
             __m256i planes[MAX_H][2]; /* each half's bit planes: bit g of a byte is quad g's */
             for (int h = 0; h < H; h++) {
                 for (int r = 0; r < R; r++) fa[h][r] = fb[h][r] = _mm256_setzero_ps();
-                for (int p = 0; p < bit_planes(type); p++)
+                for (int p = 0; !from_bytes && p < bit_planes(type); p++)
                     planes[h][p] = _mm256_loadu_si256(
                         (const __m256i *)(run + 256 + 64 * p + 32 * (half0 + h)));
             }
@@ -300,20 +350,8 @@ static inline __attribute__((always_inline)) void packed_tile(
                 for (int r = 0; r < R; r++) memcpy(&codes[r], q + r * K + 32 * j + 4 * g, 4);
                 for (int h = 0; h < H; h++) {
                     const int half = half0 + h;
-                    __m256i w;
-                    if (bit_planes(type) >= 0) {
-                        const __m256i b = _mm256_loadu_si256((const __m256i *)(run + 64 * (g / 2) + 32 * half));
-                        w = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(b, 4) : b, low);
-                        for (int p = 0; p < bit_planes(type); p++) {
-                            /* bit g of each byte to bit 4 + p, within the byte (plane_bit) */
-                            const int shift = 4 + p - g;
-                            const __m256i moved = shift >= 0 ? _mm256_slli_epi16(planes[h][p], shift)
-                                                             : _mm256_srli_epi16(planes[h][p], -shift);
-                            w = _mm256_or_si256(w, _mm256_and_si256(moved, _mm256_set1_epi8((char)(16 << p))));
-                        }
-                    } else {
-                        w = _mm256_loadu_si256((const __m256i *)(run + 64 * g + 32 * half));
-                    }
+                    const __m256i w = from_bytes ? _mm256_loadu_si256((const __m256i *)(bytes + j * 512 + 64 * g + 32 * half))
+                                            : packed_codes(type, run, half, g, planes[h]);
 #if !defined(HAVE_DOT_VNNI)
                     /* signed Q8_0 codes (Q8_SIGNED_CODES): |w| here, w's sign on each row's x */
                     const __m256i magnitude = type == T_Q8_0 ? _mm256_abs_epi8(w) : w;
@@ -399,30 +437,40 @@ static inline __attribute__((always_inline)) void packed_rows(
 #if Q8_REPACKED == 512
     const int tile = PACK_TILE;
 #else
-    /* AVX2's 16 registers: codes without bit planes go two rows a tile (four spilled: Q4_0,
-     * Q4_1, Q4_K and Q8_0 products of 256 rows 28-35 -> 42-52 GMAC/s on one Zen 3 thread); the
-     * planes' unpacking is worth sharing among four (Q5_0 20 -> 25, Q6_K 15 -> 19). */
-    const int tile = bit_planes(type) > 0 ? PACK_TILE : 2;
+    /* From 8 rows (16 for plain nibbles), a group's codes are unpacked to bytes once, into this
+     * thread's buffer (L1), and every tile of 4 rows reads them: unpacking nibbles and bit planes
+     * had cost a tile more than its products (512-row products, Zen 3, 2 threads: Q5_0 98-106
+     * -> 115-127 GMAC/s, Q6_K 80 -> 94-100). Fewer rows unpack as they go: codes without planes
+     * two rows a tile (four spilled AVX2's 16 registers: 256-row products 28-35 -> 42-52 GMAC/s
+     * on one Zen 3 thread), with planes four (their unpacking shared: Q5_0 20 -> 25). */
+    const int64_t unpack_rows = bit_planes(type) > 0 ? UNPACK_ROWS : UNPACK_NIBBLE_ROWS;
+    uint8_t *bytes = bit_planes(type) >= 0 && M >= unpack_rows ? group_bytes(nb) : NULL;
+    const int tile = bytes ? BYTES_TILE : bit_planes(type) > 0 ? PACK_TILE : 2;
 #endif
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
         const uint8_t *group = P + (n / PACK_ROWS) * nb * run_bytes;
         const int64_t live = n1 - n < PACK_ROWS ? n1 - n : PACK_ROWS;
 #if Q8_REPACKED == 512
         const __mmask16 valid = (__mmask16)((1u << live) - 1);
+#define TILE(R) packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid)
 #else
         const int64_t valid = live;
+        if (bytes) unpack_group(type, group, nb, bytes);
+#define TILE(R) (bytes ? packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid, 1, bytes) \
+                       : packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid, 0, NULL))
 #endif
         for (int64_t m = 0; m < M; m += tile) {
             const int8_t *q = xq + m * K;
             const float *e = xd + m * 16 * nb, *h = hs + m * nb * 2;
             float *out = y + m * ldy + n;
             switch (M - m < tile ? M - m : tile) {
-            case 1: packed_tile(type, 1, group, nb, q, e, h, K, out, ldy, valid); break;
-            case 2: packed_tile(type, 2, group, nb, q, e, h, K, out, ldy, valid); break;
-            case 3: packed_tile(type, 3, group, nb, q, e, h, K, out, ldy, valid); break;
-            default: packed_tile(type, 4, group, nb, q, e, h, K, out, ldy, valid); break;
+            case 1: TILE(1); break;
+            case 2: TILE(2); break;
+            case 3: TILE(3); break;
+            default: TILE(4); break;
             }
         }
+#undef TILE
     }
 }
 

@@ -20,9 +20,10 @@ SCALE = HEAD_DIM**-0.5
 PROMPT = 70
 
 
-def _run(batch, chunks: list[int], neighbour: bool, window: int | None = None) -> torch.Tensor:
-    """Sequence 0's 70 queries fed in `chunks` (fresh pages each time); with `neighbour`,
-    sequence 1 (40 cached tokens) decodes one token beside each chunk. Returns [70, Hq, D]."""
+def _run(batch, chunks: list[int], neighbour: bool, window: int | None = None,
+         prompt: int = PROMPT) -> torch.Tensor:
+    """Sequence 0's `prompt` queries fed in `chunks` (fresh pages each time); with `neighbour`,
+    sequence 1 (40 cached tokens) decodes one token beside each chunk. Returns [prompt, Hq, D]."""
     block_size = batch.metadata.block_size
     tables = [batch.metadata.block_tables[s].tolist() for s in range(2)]
     backend, outs, start = PagedAttentionBackend(SCALE), [], 0
@@ -33,7 +34,7 @@ def _run(batch, chunks: list[int], neighbour: bool, window: int | None = None) -
             num_computed_tokens=[start, 40 + step][: len(seqs)], query_lens=[n, 1][: len(seqs)],
             block_size=block_size, num_cache_blocks=batch.cache.num_blocks, sliding_window=window,
         )
-        rows = list(range(start, start + n)) + ([PROMPT + step] if neighbour else [])
+        rows = list(range(start, start + n)) + ([prompt + step] if neighbour else [])
         k = torch.cat([batch.full_k[0][start:start + n]]
                       + ([batch.full_k[1][40 + step:41 + step]] if neighbour else []))
         v = torch.cat([batch.full_v[0][start:start + n]]
@@ -69,6 +70,32 @@ def test_a_windowed_query_is_the_same_bits_in_any_step() -> None:
         weights = torch.softmax(torch.einsum("hd,nhd->hn", batch.q[p].float(), kk) * SCALE, -1)
         expected = torch.einsum("hn,nhd->hd", weights, vv)
         torch.testing.assert_close(whole[p].float(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_query_over_several_spans_is_the_same_bits_in_any_step(dtype, window) -> None:
+    """Queries over more than a span's keys (paged_decode.c's SPAN, 256: spans attended on their
+    own and folded in order) get the same bits as a decode step, where the spans are units of
+    work of their own, and in prefill chunks of any size, where a row group folds them in turn;
+    a 300-key window starts mid-page and mid-span. The values are dense attention's."""
+    long = 700
+    batch = make_batch(cached=[0, 40], new=[long, 6], group=3, block_size=8, dtype=dtype)
+    whole = _run(batch, [long], neighbour=False, window=window, prompt=long)
+    for chunks, neighbour in (([long], True), ([257, 1, 255, 187], True),
+                              ([600] + [1] * 100, False), ([64] * 10 + [60], False)):
+        got = _run(batch, chunks, neighbour, window=window, prompt=long)
+        assert torch.equal(got, whole), f"chunks {chunks[:5]}, neighbour {neighbour}"
+    k, v = batch.full_k[0].float(), batch.full_v[0].float()
+    group = batch.q.shape[1] // k.shape[1]
+    for p in (255, 256, 511, 512, 699):
+        keys = slice(0 if window is None else max(0, p + 1 - window), p + 1)
+        kk = k[keys].repeat_interleave(group, dim=1)
+        vv = v[keys].repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", batch.q[p].float(), kk) * SCALE, -1)
+        expected = torch.einsum("hn,nhd->hd", weights, vv)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(whole[p].float(), expected, rtol=tolerance, atol=tolerance)
 
 
 def test_the_split_over_threads_is_off() -> None:

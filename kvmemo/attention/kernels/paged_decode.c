@@ -9,7 +9,8 @@
  * query heads sharing a kv head share each loaded key tile (grouped-query attention without
  * repeats). Vectors are as wide as the build target's registers (VL: 16 lanes with AVX-512, else 8).
  * Parallel over (sequence, kv head) with the OpenMP runtime torch already loaded; a sequence
- * decoding alone has its keys split over the threads too (parts_per_item).
+ * decoding alone has its keys split over the threads too (parts_per_item; in the batch-invariant
+ * mode, spans of SPAN keys that every row folds alike).
  * kvmemo_paged_decode_write may start each softmax from attention over earlier keys (o_prefix,
  * lse_prefix: a cascade's shared prefix), so its output covers both sets of keys.
  */
@@ -562,6 +563,39 @@ static int64_t parts_per_item(int64_t items, const int64_t *kv_lens, int64_t B, 
     return parts < by_length ? parts : (by_length > 1 ? by_length : 1);
 }
 
+/* Spans: in the batch-invariant mode a query's keys kv_start .. kv_len - 1 are attended in spans
+ * of SPAN keys from kv_start, each span on its own (its softmax state from empty), and the spans'
+ * results folded left to right (fold_span). A query with at most SPAN keys is one span: plain
+ * attention, as before spans. The spans are fixed by the query's own keys, so a decode step can
+ * give each span to a thread (one sequence over 1,024 keys: four units per kv head, where the
+ * threads otherwise split its query heads and each read every key) while a prefill chunk's rows
+ * fold the same spans in turn, and both give the same bits. A multiple of the chunked path's CH. */
+enum { SPAN = 256 };
+
+static inline int64_t span_count(int64_t kv_start, int64_t kv_len) {
+    return kv_len - kv_start > SPAN ? (kv_len - kv_start + SPAN - 1) / SPAN : 1;
+}
+
+/* (o, *lse) <- attention over both its keys and a span's (os, ls), each normalised with its
+ * natural-log log-sum-exp; -inf: no keys. One compiled body (noinline) for the decode step's
+ * merge and the prefill rows' fold, so that both round alike. */
+static __attribute__((noinline)) void fold_span(float *o, float *lse, const float *os, float ls,
+                                                int64_t D) {
+    if (ls == -INFINITY) return;
+    if (*lse == -INFINITY) {
+        memcpy(o, os, sizeof(float) * (size_t)D);
+        *lse = ls;
+        return;
+    }
+    const float top = *lse > ls ? *lse : ls;
+    const float a = expf(*lse - top), b = expf(ls - top), total = a + b, inv = 1.0f / total;
+    for (int64_t d = 0; d < D; d++) {
+        const float x = a * o[d], y = b * os[d];
+        o[d] = (x + y) * inv;
+    }
+    *lse = top + logf(total);
+}
+
 /* Query-head subgroups per item: where a step has fewer (sequence, kv head) items than threads
  * and long keys (Gemma 3 decoding one sequence: one kv head, four query heads), each thread
  * takes some of an item's query heads, reading the same keys. A head's arithmetic is the same
@@ -664,14 +698,32 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     }
 #endif
     const int64_t row_items = groups * Hkv;
+    /* Spans (batch-invariant mode, no cascade start): a decode row's spans are units of their
+     * own, folded after the loop from span_o / span_l ([item][span][G][D] / [G]); a prefill
+     * group folds its rows' spans in turn within its unit. */
+    const int spanned = !split && !o_init;
+    int64_t spans = 1;
+    for (int64_t b = 0; spanned && !firsts && b < B; b++) {
+        const int64_t n = span_count(kv_starts ? kv_starts[b] : 0, kv_lens[b]);
+        spans = n > spans ? n : spans;
+    }
+    float *span_o = NULL, *span_l = NULL;
+    if (spans > 1) {
+        span_o = malloc(sizeof(float) * (size_t)(row_items * spans * G * D));
+        span_l = malloc(sizeof(float) * (size_t)(row_items * spans * G));
+        if (!span_o || !span_l) {
+            free(span_o); free(span_l); free(firsts); free(pack_off); free(packed); free(part_o); free(part_lse);
+            return 3;
+        }
+    }
     /* A part's keys: whole pages, the item's pages dealt out evenly (the last part the rest). */
-    const int subgroups = head_split(row_items, parts, G, kv_lens, kv_starts, B), Gs = G / subgroups;
-    const int64_t units = row_items * parts * subgroups;
+    const int subgroups = head_split(row_items * spans, parts, G, kv_lens, kv_starts, B), Gs = G / subgroups;
+    const int64_t units = row_items * parts * spans * subgroups;
     /* One unit (a single sequence's single KV head, unsplit: Gemma 3's decode) runs here: a
      * parallel region would only wake a thread to wait for it. */
 #pragma omp parallel if (units > 1)
     {
-        if (slots && parts * subgroups > 1) { /* every unit must see the new key: write first */
+        if (slots && parts * spans * subgroups > 1) { /* every unit must see the new key: write first */
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; item++) {
                 int64_t b = item / Hkv, h = item % Hkv;
@@ -693,12 +745,13 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
 #endif
 #pragma omp for schedule(dynamic)
         for (int64_t unit = 0; unit < units; unit++) {
-            int64_t item = unit / (parts * subgroups), part = unit / subgroups % parts;
+            int64_t item = unit / (parts * spans * subgroups), part = unit / (spans * subgroups) % parts,
+                    span = unit / subgroups % spans;
             int64_t group = item / Hkv, h = item % Hkv;
             const int64_t b = firsts ? firsts[group] : group;
             const int R = firsts ? (int)(firsts[group + 1] - b) : 1;
             int64_t head_offset = h * num_blocks * bs;
-            if (slots && parts * subgroups == 1) /* this (sequence, head) alone reads the slot */
+            if (slots && parts * spans * subgroups == 1) /* this (sequence, head) alone reads the slot */
                 write_slot(k_new, v_new, b * kv_stride + h * D, io, (void *)k_pages,
                            (void *)v_pages, dtype, (head_offset + slots[b]) * D, D);
             /* The unit's query heads: Gs of the group from hq0 (all G where not split). */
@@ -716,6 +769,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
             int64_t out_stride = io ? Gs * D : Hq * D;
             float *ob, *lb;
             const float *oi = 0, *li = 0;
+            int to_span = 0; /* this unit writes one span of a decode row, folded after the loop */
             if (parts > 1) {
                 const int64_t pages = (kv_len + bs - 1) / bs, per_part = (pages + parts - 1) / parts;
                 const int64_t first = part * per_part * bs;
@@ -729,7 +783,16 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                     continue;
                 }
                 out_stride = G * D;
+            } else if (spanned && !firsts && span_count(kv_start, kv_len) > 1) { /* a decode row's span */
+                to_span = 1;
+                if (span >= span_count(kv_start, kv_len)) continue;
+                kv_start += span * SPAN;
+                kv_len = kv_len < kv_start + SPAN ? kv_len : kv_start + SPAN;
+                ob = span_o + ((item * spans + span) * G + (hq0 - h * G)) * D;
+                lb = span_l + (item * spans + span) * G + (hq0 - h * G);
+                out_stride = G * D;
             } else {
+                if (span > 0) continue; /* one span: the unit of span 0 takes it all */
                 ob = io ? o32 : (float *)out + (b * Hq + hq0) * D;
                 lb = lse ? lse + b * Hq + hq0 : 0;
                 oi = o_init ? o_init + (b * Hq + hq0) * D : 0;
@@ -743,10 +806,53 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 ? packed + pack_off[group] + h * pack_chunks[group] * D * CH_OR_0 : NULL;
             const attend_rows_fn attend = D == 64 ? attend_rows_64 : D == 128 ? attend_rows_128
                 : D == 256 ? attend_rows_256 : attend_rows_any;
-            attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, kv_start, row_lens, R,
-                   head_offset, bs, Gs, D, ob, out_stride, lb, Hq, oi, li, kT_all);
-            for (int r = 0; io && parts == 1 && r < R; r++)
+            int64_t group_max = 0; /* the group's last key + 1 */
+            for (int r = 0; r < R; r++) group_max = row_lens[r] > group_max ? row_lens[r] : group_max;
+            if (spanned && firsts && span_count(kv_start, group_max) > 1) {
+                /* A prefill group's rows over several spans: each span for all rows, then each
+                 * row's fold (rows without keys in a span get lse -inf: folded as nothing). */
+                float run_o[R * Gs * D], run_l[R * Gs], span_rows_o[R * Gs * D], span_rows_l[R * Gs];
+                int64_t lens_s[R];
+                for (int i = 0; i < R * Gs; i++) run_l[i] = -INFINITY;
+                for (int64_t s0 = kv_start; s0 < group_max; s0 += SPAN) {
+                    for (int r = 0; r < R; r++)
+                        lens_s[r] = row_lens[r] < s0 + SPAN ? row_lens[r] : s0 + SPAN;
+                    attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, s0, lens_s, R,
+                           head_offset, bs, Gs, D, span_rows_o, Gs * D, span_rows_l, Gs, NULL, NULL,
+                           kT_all);
+                    for (int i = 0; i < R * Gs; i++)
+                        fold_span(run_o + i * D, run_l + i, span_rows_o + i * D, span_rows_l[i], D);
+                }
+                for (int r = 0; r < R; r++) {
+                    for (int g = 0; g < Gs; g++) {
+                        const int i = r * Gs + g;
+                        if (run_l[i] == -INFINITY) memset(run_o + i * D, 0, sizeof(float) * (size_t)D);
+                        memcpy(ob + r * out_stride + g * D, run_o + i * D, sizeof(float) * (size_t)D);
+                        if (lb) lb[r * Hq + g] = run_l[i];
+                    }
+                }
+            } else {
+                attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, kv_start, row_lens,
+                       R, head_offset, bs, Gs, D, ob, out_stride, lb, Hq, oi, li, kT_all);
+            }
+            for (int r = 0; io && parts == 1 && !to_span && r < R; r++)
                 store_io(o32 + r * Gs * D, io, Gs * D, (char *)out + ((b + r) * Hq + hq0) * D * io_bytes);
+        }
+        if (spans > 1) {
+            /* Fold each spanned decode row's spans, left to right (fold_span). */
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < B * Hq; row++) {
+                const int64_t b = row / Hq, hq = row % Hq, item = b * Hkv + hq / G, g = hq % G;
+                const int64_t n = span_count(kv_starts ? kv_starts[b] : 0, kv_lens[b]);
+                if (n < 2) continue; /* written by its unit */
+                float o[MAX_D], l = -INFINITY;
+                memset(o, 0, sizeof(float) * (size_t)D);
+                for (int64_t sp = 0; sp < n; sp++)
+                    fold_span(o, &l, span_o + ((item * spans + sp) * G + g) * D,
+                              span_l[(item * spans + sp) * G + g], D);
+                if (lse) lse[row] = l;
+                store_io(o, io, D, (char *)out + row * D * io_bytes);
+            }
         }
         if (parts > 1) {
             /* Merge each head's parts (and the starting state) by their log-sum-exps. */
@@ -781,6 +887,8 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     }
     free(part_o);
     free(part_lse);
+    free(span_o);
+    free(span_l);
     free(firsts);
     free(pack_off);
     free(packed);

@@ -31,7 +31,8 @@ def load_results(mode: str = "offline") -> dict[str, dict[str, dict]]:
     table: dict[str, dict[str, dict]] = defaultdict(dict)
     for path in sorted(PEER_RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
-        if result["mode"] == mode:
+        # A sitting's summary (a note and its engines' results) is not one run: not charted.
+        if result.get("mode") == mode and "workload" in result:
             table[result["workload"]][label(result)] = result
     return dict(sorted(table.items()))
 
@@ -65,6 +66,11 @@ def main() -> list[Path]:
     table = load_results("offline")
     if not table:
         print(f"no results under {PEER_RESULTS}")
+        return []
+    try:
+        import matplotlib  # noqa: F401  (the `bench` extra)
+    except ImportError:
+        print("charts skipped: matplotlib is not installed (pip install -e '.[bench]')")
         return []
     paths = [IMAGES / "bench_throughput.png", IMAGES / "bench_ttft.png"]
     bar_chart(table, "output_tok_s", "output tokens/s", paths[0])

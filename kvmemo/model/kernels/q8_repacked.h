@@ -315,7 +315,8 @@ static uint8_t *group_bytes(int64_t nb) {
  * read once, each quad of x broadcast once: its in-cache products 5-15% faster on Zen 3); more
  * rows, or codes with bit planes, one half at a time (their accumulators and planes fill the
  * sixteen ymm registers: Q5_0 both at once was 1.6x slower). A lane's sums are the same
- * either way. */
+ * either way. from_bytes: the codes are read from `bytes` (unpack_group's layout) instead of
+ * unpacked here; a constant at each call, so each variant compiles without the other's code. */
 static inline __attribute__((always_inline)) void packed_tile(
     int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
     const float *hs, int64_t K, float *y, int64_t ldy, int64_t live, int from_bytes,

@@ -86,7 +86,8 @@ static inline void quantize16(const float *x, int8_t *q, __m512 *d_out, __m512 *
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BW__)
+#if defined(__AVX2__) && defined(__FMA__) \
+    && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
 /* The largest of a vector's 8 lanes, in every lane (max is exact: the order does not matter). */
 static inline __m256 lanes_max(__m256 a) {
     a = _mm256_max_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -95,8 +96,8 @@ static inline __m256 lanes_max(__m256 a) {
 }
 
 /* One group of 16 values (GROUP == 16) as the scalar loop below quantizes them, bit for bit:
- * NaN counts as 0 in the amax (as fmaxf skips it) and codes as 0. Writes the 16 codes; returns
- * d and d * sum * 4 / GROUP in lane 0 of each. (The scalar loop called libm's fmaxf per value:
+ * NaN counts as 0 in the amax (as fmaxf skips it) and codes as 0. Writes the 16 codes to q, d
+ * to *d_out and d * sum * 4 / GROUP to *c_out. (The scalar loop called libm's fmaxf per value:
  * 8% of Gemma 3's prefill on Zen 3.) */
 static inline void quantize16_avx2(const float *x, int8_t *q, float *d_out, float *c_out) {
     const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);

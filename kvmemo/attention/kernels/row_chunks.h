@@ -39,7 +39,9 @@ enum { LANES_MIN_ROWS = 8, LANES_MAX_D = 128 };
 /* scores: a 2 x 2 block's tree keeps ~5 partial sums each (20) + 2 keys + 2 q; values: 16 + 4 + 1 */
 enum { QK_ROWS = 2, QK_VECS = 2, PV_ROWS = 4, PV_VECS = 4 };
 #else
-enum { QK_ROWS = 1, QK_VECS = 2, PV_ROWS = 2, PV_VECS = 4 }; /* 10 + 2 + 1; 8 + 4 + 1 of 16 */
+/* scores: 8 chains + 2 keys + 1 q (each lane's chains finished before the next: qk_block);
+ * values: 8 + 4 + 1 of 16 */
+enum { QK_ROWS = 4, QK_VECS = 2, PV_ROWS = 2, PV_VECS = 4 };
 #endif
 
 /* a * b + c in one rounding, written out: the compiler's own contraction (-ffp-contract) may
@@ -125,6 +127,16 @@ static void transpose_chunk(const float *const *krow, int64_t D, float *restrict
  * chunk transposed once for many rows) each a_L is a vector of keys and the tree is plain adds,
  * which run beside the FMAs on CPUs with separate add pipes. */
 
+/* x held in a register: gcc otherwise folds a load shared by several FMAs into each of them as
+ * a memory operand (a key vector read once per row of the block: 12 loads for 8 FMAs on AVX2).
+ * AVX2 builds only (a 32-byte vf is one ymm register); the AVX-512 code is left as it was. */
+static inline vf in_register(vf x) {
+#if defined(__AVX__) && VL == 8
+    __asm__("" : "+x"(x));
+#endif
+    return x;
+}
+
 /* a[r][v] = lane L's chain for NR row-heads (q rows D apart) x NV vectors of keys (kT). */
 static inline __attribute__((always_inline)) void lane_chain(
     const float *restrict q, const float *restrict kT, const int64_t D, const int L, const int NR,
@@ -133,7 +145,7 @@ static inline __attribute__((always_inline)) void lane_chain(
         for (int v = 0; v < NV; v++) a[r][v] = (vf){0};
     for (int64_t d = L; d < D; d += VL) {
         vf k[QK_VECS];
-        for (int v = 0; v < NV; v++) k[v] = loadv(kT + d * CH + v * VL);
+        for (int v = 0; v < NV; v++) k[v] = in_register(loadv(kT + d * CH + v * VL));
         for (int r = 0; r < NR; r++) {
             const vf qd = (vf){0} + q[r * D + d];
             for (int v = 0; v < NV; v++) a[r][v] = fmav(qd, k[v], a[r][v]);
@@ -141,9 +153,11 @@ static inline __attribute__((always_inline)) void lane_chain(
     }
 }
 
+#if VL == 16
 /* sum_lanes' tree, depth first: pair(L) = a_L + a_(L + VL/2); quad(L) = pair(L) + pair(L + VL/4);
- * oct(L) = quad(L) + quad(L + 2) (VL 16); the score is top(0) + top(1), top being oct (VL 16) or
- * quad (VL 8). Float addition commutes exactly, so only this grouping has to match. */
+ * oct(L) = quad(L) + quad(L + 2); the score is oct(0) + oct(1). Float addition commutes
+ * exactly, so only this grouping has to match. Depth first, five blocks of chains are live at
+ * most (20 of AVX-512's 32 registers at 2 x 2). */
 #define ADD_INTO(a, b)                                                                           \
     for (int r = 0; r < NR; r++)                                                                 \
         for (int v = 0; v < NV; v++) a[r][v] += b[r][v]
@@ -163,7 +177,6 @@ static inline __attribute__((always_inline)) void tree_quad(
     tree_pair(q, kT, D, L + VL / 4, NR, NV, b);
     ADD_INTO(a, b);
 }
-#if VL == 16
 static inline __attribute__((always_inline)) void tree_top(
     const float *restrict q, const float *restrict kT, const int64_t D, const int L, const int NR,
     const int NV, vf a[QK_ROWS][QK_VECS]) {
@@ -172,9 +185,6 @@ static inline __attribute__((always_inline)) void tree_top(
     tree_quad(q, kT, D, L + 2, NR, NV, b);
     ADD_INTO(a, b);
 }
-#else
-#define tree_top tree_quad
-#endif
 
 /* s[r * CH + v * VL + lane] = q_r . k, NR row-heads x NV vectors of keys in lanes. */
 static inline __attribute__((always_inline)) void qk_block(
@@ -188,6 +198,41 @@ static inline __attribute__((always_inline)) void qk_block(
         for (int v = 0; v < NV; v++) storev(s + r * CH + v * VL, a[r][v]);
 }
 #undef ADD_INTO
+#else
+/* A tree node as computed: no reassociation (-fassociative-math) may regroup the tree's adds,
+ * which must stay sum_lanes' grouping. */
+static inline vf tree_node(vf x) {
+#if defined(__AVX__) /* VL 8 here: one ymm register */
+    __asm__("" : "+x"(x));
+#else
+    __asm__("" : "+m"(x));
+#endif
+    return x;
+}
+
+/* s[r * CH + v * VL + lane] = q_r . k, NR row-heads x NV vectors of keys in lanes: every lane's
+ * chains (lane_chain) for the block, each finished before the next starts, then sum_lanes'
+ * tree over them, level by level: pairs (L, L + VL/2), then (L, L + VL/4), ..., (0, 1). Float
+ * addition commutes exactly, so only this grouping has to match. Why kept, not depth first:
+ * a depth-first tree holds log2(VL) + 1 blocks of chains at once, which on AVX2's 16 registers
+ * allowed one row by two vectors, three loads for every two FMAs; here one block is live, four
+ * rows by two vectors (six loads for eight FMAs), and the finished chains wait in L1 (Zen 3,
+ * one thread, SmolLM2's shape: the whole attention 10-13% faster, same bits). */
+static inline __attribute__((always_inline)) void qk_block(
+    const float *restrict q, const float *restrict kT, const int64_t D, const int NR,
+    const int NV, float *restrict s) {
+    vf chains[VL][QK_ROWS][QK_VECS];
+    for (int L = 0; L < VL; L++) lane_chain(q, kT, D, L, NR, NV, chains[L]);
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) {
+            vf node[VL];
+            for (int L = 0; L < VL; L++) node[L] = chains[L][r][v];
+            for (int width = VL / 2; width >= 1; width /= 2)
+                for (int L = 0; L < width; L++) node[L] = tree_node(node[L] + node[L + width]);
+            storev(s + r * CH + v * VL, node[0]);
+        }
+}
+#endif
 
 /* acc rows (D apart, from the block's first value) = acc * alpha[r] + sum_j p[r * CH + j] V_j for
  * keys j0 <= j < n (vrow[j]: value row j, offset to the block's values), NR row-heads x NV
@@ -273,9 +318,9 @@ static inline __attribute__((always_inline)) void row_block(
         for (int k = 0; k < ROW_KEYS; k++) a[h][k] = (vf){0};
     for (int c = 0; c < C; c++) {
         vf kv[ROW_KEYS];
-        for (int k = 0; k < ROW_KEYS; k++) kv[k] = loadv(krow[l0 + k] + c * VL);
+        for (int k = 0; k < ROW_KEYS; k++) kv[k] = in_register(loadv(krow[l0 + k] + c * VL));
         for (int h = 0; h < NH; h++) {
-            const vf qv = loadv(q + h * D + c * VL);
+            const vf qv = in_register(loadv(q + h * D + c * VL));
             for (int k = 0; k < ROW_KEYS; k++) a[h][k] = fmav(qv, kv[k], a[h][k]);
         }
     }

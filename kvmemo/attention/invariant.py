@@ -16,9 +16,10 @@ hit. The kernel still shares work between rows: a prefill's rows go in groups th
 chunk of keys (transposed once per group, or once per sequence for all its groups), which is
 register blocking, not other arithmetic; docs/benchmarks.md has its cost against flash.
 
-A sliding window is each row's first key (kv_starts): the row's chunks start there, fixed by the
-row's own position (the tables are cropped by whole pages), so a windowed row too gets the same
-bits in any step.
+A sliding window is each row's first key (kv_starts). The row's chunks start at that key's page
+(row_chunks.h), fixed by the row's own position (the tables are cropped by whole pages), so a
+windowed row too gets the same bits in any step, and a prefill's windowed rows whose first keys
+share a page share their chunks.
 
 Steps this plan cannot serve return None from RowPlan.build and take the backend's other paths:
 no C compiler, a head size or group the kernel's buffers do not take, a non-CPU device.

@@ -428,18 +428,19 @@ static inline __attribute__((always_inline)) void attend_tile(
  * lse_init (a cascade's shared prefix: the online softmax's starting state) only with R = 1. */
 static inline __attribute__((always_inline)) void attend_rows(
     const float *qs, const uint16_t *q16, int64_t q16_stride, float qscale, const void *k_pages,
-    const void *v_pages, int dtype, const int64_t *table, int64_t kv_start, const int64_t *kv_lens,
-    int R, int64_t head_offset, int64_t bs, int G, const int64_t D, float *out,
+    const void *v_pages, int dtype, const int64_t *table, int64_t kv_start,
+    const int64_t *row_starts, const int64_t *kv_lens, int R, int64_t head_offset, int64_t bs,
+    int G, const int64_t D, float *out,
     int64_t out_stride, float *lse, int64_t lse_stride, const float *o_init,
     const float *lse_init, const float *kT_all) {
 #ifdef HAVE_VEC
     if (!q16 && ROW_CHUNKS(D)) {
-        attend_rows_chunked(qs, k_pages, v_pages, dtype, table, kv_start, kv_lens, R, head_offset,
+        attend_rows_chunked(qs, k_pages, v_pages, dtype, table, kv_start, row_starts, kv_lens, R, head_offset,
                             bs, G, D, out, out_stride, lse, lse_stride, o_init, lse_init, kT_all);
         return;
     }
 #endif
-    (void)kT_all;
+    (void)kT_all, (void)row_starts; /* the tile loop's rows all start at kv_start (grouped so) */
     float kbuf[TILE * MAX_D], vbuf[TILE * MAX_D], s[MAX_GROUP * TILE];
     float acc[R * G * D], m[R * G], l[R * G];
     int64_t kv_max = 0;
@@ -493,18 +494,21 @@ static inline __attribute__((always_inline)) void attend_rows(
  * updates fully. Each is its own function, not inlined into the parallel loop: one function
  * holding all four took gcc 30 s to compile (its passes grow faster than the code). */
 typedef void (*attend_rows_fn)(const float *, const uint16_t *, int64_t, float, const void *,
-                               const void *, int, const int64_t *, int64_t, const int64_t *, int,
+                               const void *, int, const int64_t *, int64_t, const int64_t *,
+                               const int64_t *, int,
                                int64_t, int64_t, int, int64_t, float *, int64_t, float *, int64_t,
                                const float *, const float *, const float *);
 #define ATTEND_ROWS_FOR(NAME, DIM, ...) \
     static __attribute__((noinline __VA_ARGS__)) void NAME( \
         const float *qs, const uint16_t *q16, int64_t q16_stride, float qscale, \
         const void *k_pages, const void *v_pages, int dtype, const int64_t *table, \
-        int64_t kv_start, const int64_t *kv_lens, int R, int64_t head_offset, int64_t bs, int G, \
+        int64_t kv_start, const int64_t *row_starts, const int64_t *kv_lens, int R, \
+        int64_t head_offset, int64_t bs, int G, \
         int64_t D, float *out, int64_t out_stride, float *lse, int64_t lse_stride, \
         const float *o_init, const float *lse_init, const float *kT_all) { \
         (void)D; \
-        attend_rows(qs, q16, q16_stride, qscale, k_pages, v_pages, dtype, table, kv_start, kv_lens, \
+        attend_rows(qs, q16, q16_stride, qscale, k_pages, v_pages, dtype, table, kv_start, \
+                    row_starts, kv_lens, \
                     R, head_offset, bs, G, DIM, out, out_stride, lse, lse_stride, o_init, \
                     lse_init, kT_all); \
     }
@@ -576,6 +580,14 @@ static inline int64_t span_count(int64_t kv_start, int64_t kv_len) {
     return kv_len - kv_start > SPAN ? (kv_len - kv_start + SPAN - 1) / SPAN : 1;
 }
 
+/* Where row b's chunks and spans start: its first key (a window's start; 0 without one), on the
+ * chunked path rounded down to its page (align = bs; row_chunks.h says why), elsewhere itself
+ * (align = 1: the tile loop's tiles start at the row's first key). */
+static inline int64_t origin_of(const int64_t *kv_starts, int64_t b, int64_t align) {
+    const int64_t start = kv_starts ? kv_starts[b] : 0;
+    return start - start % align;
+}
+
 /* (o, *lse) <- attention over both its keys and a span's (os, ls), each normalised with its
  * natural-log log-sum-exp; -inf: no keys. One compiled body (noinline) for the decode step's
  * merge and the prefill rows' fold, so that both round alike. */
@@ -636,6 +648,12 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     int G = (int)(Hq / Hkv);
     if (D > MAX_D || G > MAX_GROUP || Hq % Hkv) return 1;
     const int64_t io_bytes = io ? 2 : 4;
+#ifdef HAVE_VEC
+    const int q16_path = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128);
+    const int64_t align = !q16_path && ROW_CHUNKS(D) ? bs : 1; /* the chunked path's origins */
+#else
+    const int64_t align = 1;
+#endif
     /* A window's start is a key, not a page: its keys are never split into parts. */
     const int64_t items = B * Hkv,
                   parts = parts_per_item(items, kv_lens, B, bs, split && !kv_starts);
@@ -646,9 +664,10 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
         part_lse = malloc(sizeof(float) * (size_t)(items * parts * G));
         if (!part_o || !part_lse) { free(part_o); free(part_lse); return 3; }
     }
-    /* Row groups: up to ROW_GROUP consecutive rows of one sequence with the same first key (a
-     * prefill chunk's queries) attend together, sharing each key tile (attend_rows); group j is
-     * rows firsts[j] .. firsts[j + 1] - 1. A decode step's rows are each their own group. */
+    /* Row groups: up to ROW_GROUP consecutive rows of one sequence with the same origin (a
+     * prefill chunk's queries; windowed rows whose first keys share a page) attend together,
+     * sharing each key tile (attend_rows); group j is rows firsts[j] .. firsts[j + 1] - 1. A
+     * decode step's rows are each their own group. */
     int64_t *firsts = NULL, groups = B;
     if (table_rows && parts == 1 && B > 1) {
         const int64_t by_state = ROW_STATE_FLOATS / (G * D), most = by_state < ROW_GROUP
@@ -658,7 +677,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
         groups = 0;
         for (int64_t b = 0; b < B; b++) {
             if (b == 0 || table_rows[b] != table_rows[b - 1] || b - firsts[groups - 1] >= most
-                || (kv_starts && kv_starts[b] != kv_starts[firsts[groups - 1]]))
+                || origin_of(kv_starts, b, align) != origin_of(kv_starts, firsts[groups - 1], align))
                 firsts[groups++] = b;
         }
         firsts[groups] = B;
@@ -668,7 +687,6 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     float *packed = NULL;
     int64_t *pack_off = NULL, *pack_chunks = NULL, *pack_units = NULL, *pack_keys = NULL, runs = 0;
 #ifdef HAVE_VEC
-    const int q16_path = HAVE_BF16_DOT && io == 1 && dtype == KV_BF16 && (D == 64 || D == 128);
     if (firsts && groups < B && !slots && !kv_starts && !q16_path && ROW_CHUNKS(D)
         && D <= LANES_MAX_D) {
         pack_off = malloc(sizeof(int64_t) * (size_t)(4 * groups + 1));
@@ -704,7 +722,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
     const int spanned = !split && !o_init;
     int64_t spans = 1;
     for (int64_t b = 0; spanned && !firsts && b < B; b++) {
-        const int64_t n = span_count(kv_starts ? kv_starts[b] : 0, kv_lens[b]);
+        const int64_t n = span_count(origin_of(kv_starts, b, align), kv_lens[b]);
         spans = n > spans ? n : spans;
     }
     /* Sized by the batch's most spans (B x Hq x D floats a span: 8 MiB for 64 Gemma 3 rows
@@ -766,7 +784,8 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 for (int64_t i = 0; i < Gs * D; i++) qr[i] = qb[i] * (scale * LOG2E);
             }
             const int64_t *table = block_tables + (table_rows ? table_rows[b] : b) * table_stride + first_block;
-            int64_t kv_len = kv_lens[b], kv_start = kv_starts ? kv_starts[b] : 0;
+            int64_t kv_len = kv_lens[b], kv_start = origin_of(kv_starts, b, align),
+                    row_start = kv_starts ? kv_starts[b] : 0; /* >= kv_start */
             const int64_t *row_lens = R > 1 ? kv_lens + b : &kv_len;
             int64_t out_stride = io ? Gs * D : Hq * D;
             float *ob, *lb;
@@ -790,6 +809,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 if (span >= span_count(kv_start, kv_len)) continue;
                 kv_start += span * SPAN;
                 kv_len = kv_len < kv_start + SPAN ? kv_len : kv_start + SPAN;
+                row_start = row_start > kv_start ? row_start : kv_start;
                 ob = span_o + ((item * spans + span) * G + (hq0 - h * G)) * D;
                 lb = span_l + (item * spans + span) * G + (hq0 - h * G);
                 out_stride = G * D;
@@ -814,12 +834,15 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                 /* A prefill group's rows over several spans: each span for all rows, then each
                  * row's fold (rows without keys in a span get lse -inf: folded as nothing). */
                 float run_o[R * Gs * D], run_l[R * Gs], span_rows_o[R * Gs * D], span_rows_l[R * Gs];
-                int64_t lens_s[R];
+                int64_t lens_s[R], starts_s[R];
                 for (int i = 0; i < R * Gs; i++) run_l[i] = -INFINITY;
                 for (int64_t s0 = kv_start; s0 < group_max; s0 += SPAN) {
-                    for (int r = 0; r < R; r++)
+                    for (int r = 0; r < R; r++) {
+                        const int64_t start = kv_starts ? kv_starts[b + r] : 0;
                         lens_s[r] = row_lens[r] < s0 + SPAN ? row_lens[r] : s0 + SPAN;
-                    attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, s0, lens_s, R,
+                        starts_s[r] = start > s0 ? start : s0;
+                    }
+                    attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, s0, starts_s, lens_s, R,
                            head_offset, bs, Gs, D, span_rows_o, Gs * D, span_rows_l, Gs, NULL, NULL,
                            kT_all);
                     for (int i = 0; i < R * Gs; i++)
@@ -834,8 +857,9 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
                     }
                 }
             } else {
-                attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, kv_start, row_lens,
-                       R, head_offset, bs, Gs, D, ob, out_stride, lb, Hq, oi, li, kT_all);
+                const int64_t *starts = R > 1 ? (kv_starts ? kv_starts + b : NULL) : &row_start;
+                attend(qs, q16, q_stride, qscale, k_pages, v_pages, dtype, table, kv_start, starts,
+                       row_lens, R, head_offset, bs, Gs, D, ob, out_stride, lb, Hq, oi, li, kT_all);
             }
             for (int r = 0; io && parts == 1 && !to_span && r < R; r++)
                 store_io(o32 + r * Gs * D, io, Gs * D, (char *)out + ((b + r) * Hq + hq0) * D * io_bytes);
@@ -845,7 +869,7 @@ static int paged_decode(const void *q, int64_t q_stride, const void *k_new, cons
 #pragma omp for schedule(static)
             for (int64_t row = 0; row < B * Hq; row++) {
                 const int64_t b = row / Hq, hq = row % Hq, item = b * Hkv + hq / G, g = hq % G;
-                const int64_t n = span_count(kv_starts ? kv_starts[b] : 0, kv_lens[b]);
+                const int64_t n = span_count(origin_of(kv_starts, b, align), kv_lens[b]);
                 if (n < 2) continue; /* written by its unit */
                 float o[MAX_D], l = -INFINITY;
                 memset(o, 0, sizeof(float) * (size_t)D);

@@ -4,10 +4,12 @@
  * add_lanes, sum_lanes, exp2_vec).
  *
  * A row's arithmetic, fixed by its own position alone (so it is batch-invariant):
- * - chunks are the keys [c, c + CH) for c = kv_start (the row's first key: 0, or its sliding
- *   window's start, so a table cropped by whole pages behind a window moves nothing), kv_start +
- *   CH, ..., to the one holding its last key (kv_len - 1); keys from kv_len on are masked (score
- *   -inf, probability 0);
+ * - chunks are the keys [c, c + CH) for c = o, o + CH, ..., to the one holding its last key
+ *   (kv_len - 1), o being the row's first key (0, or its sliding window's start s) rounded down
+ *   to its page (s - s % bs: a table cropped by whole pages behind a window moves nothing);
+ *   keys before s and from kv_len on are masked (score -inf, probability 0). The page-aligned
+ *   origin lets a prefill's windowed rows, whose first keys all differ, share their chunks in
+ *   groups (one group per page of first keys) where each row alone read its 512 keys again;
  * - each score q . k in one order (lane chains, then sum_lanes' tree; see below), computed with
  *   the keys in rows (a step's few rows: no transposition) or in lanes (the chunk transposed once
  *   for a group of rows, or once for every group of a long prefill: pack_chunk), same bits;
@@ -415,13 +417,16 @@ static inline float chunk_softmax(float *s, int lo, int hi, float *m, float *lsu
 }
 
 /* attend_rows for fp32 queries on the vector path (see the top of this file): R rows x G heads
- * of one (sequence, kv head), qs [R][G][D] scaled by scale * log2 e, row r over keys kv_start ..
- * kv_lens[r] - 1; o_init / lse_init (R = 1 only) the starting state. */
+ * of one (sequence, kv head), qs [R][G][D] scaled by scale * log2 e, row r over keys
+ * row_starts[r] .. kv_lens[r] - 1 in chunks from kv_start (the origin, at most every row's
+ * start; row_starts NULL: every row starts there); o_init / lse_init (R = 1 only) the starting
+ * state. */
 static inline __attribute__((always_inline)) void attend_rows_chunked(
     const float *qs, const void *k_pages, const void *v_pages, int dtype, const int64_t *table,
-    int64_t kv_start, const int64_t *kv_lens, int R, int64_t head_offset, int64_t bs, int G,
-    const int64_t D, float *out, int64_t out_stride, float *lse, int64_t lse_stride,
-    const float *o_init, const float *lse_init, const float *kT_all) {
+    int64_t kv_start, const int64_t *row_starts, const int64_t *kv_lens, int R,
+    int64_t head_offset, int64_t bs, int G, const int64_t D, float *out, int64_t out_stride,
+    float *lse, int64_t lse_stride, const float *o_init, const float *lse_init,
+    const float *kT_all) {
     const int RH = R * G;
     const int converts = dtype != KV_F32; /* other pages go through fp32 copies of the chunk */
     float kT[D * CH] __attribute__((aligned(64)));
@@ -468,16 +473,18 @@ static inline __attribute__((always_inline)) void attend_rows_chunked(
         for (int j = 0; j < CH; j++) vrow[j] = vrow[j] ? vrow[j] : zeros;
         int hi_all = lo;
         for (int r = 0; r < R; r++) {
-            const int64_t end = kv_lens[r] - c0;
+            const int64_t end = kv_lens[r] - c0, start = row_starts ? row_starts[r] - c0 : lo;
             const int hi = end < CH ? (int)end : CH;
+            /* the row's own first key in this chunk (keys before it masked: a windowed row) */
+            const int lo_r = start > lo ? (start < CH ? (int)start : CH) : lo;
             hi_all = hi > hi_all ? hi : hi_all;
             for (int g = 0; g < G; g++) {
                 const int i = r * G + g;
-                if (hi <= lo) { /* none of this chunk's keys: as if the row skipped it */
+                if (hi <= lo_r) { /* none of this chunk's keys: as if the row skipped it */
                     alpha[i] = 1.0f;
                     memset(s + i * CH, 0, sizeof(float) * CH);
                 } else {
-                    alpha[i] = chunk_softmax(s + i * CH, lo, hi, m + i, lsum + i * VL);
+                    alpha[i] = chunk_softmax(s + i * CH, lo_r, hi, m + i, lsum + i * VL);
                 }
             }
         }

@@ -201,8 +201,8 @@ static inline __attribute__((always_inline)) void qk_block(
 }
 #undef ADD_INTO
 #else
-/* A tree node as computed: no reassociation (-fassociative-math) may regroup the tree's adds,
- * which must stay sum_lanes' grouping. */
+/* A tree node as computed: the tree's adds must keep sum_lanes' grouping even in a build that
+ * reassociates (paged_decode.c turns -fassociative-math off for the whole file today). */
 static inline vf tree_node(vf x) {
 #if defined(__AVX__) /* VL 8 here: one ymm register */
     __asm__("" : "+x"(x));

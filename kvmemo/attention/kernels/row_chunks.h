@@ -201,25 +201,15 @@ static inline __attribute__((always_inline)) void qk_block(
 }
 #undef ADD_INTO
 #else
-/* A tree node as computed: the tree's adds must keep sum_lanes' grouping even in a build that
- * reassociates (paged_decode.c turns -fassociative-math off for the whole file today). */
-static inline vf tree_node(vf x) {
-#if defined(__AVX__) /* VL 8 here: one ymm register */
-    __asm__("" : "+x"(x));
-#else
-    __asm__("" : "+m"(x));
-#endif
-    return x;
-}
-
 /* s[r * CH + v * VL + lane] = q_r . k, NR row-heads x NV vectors of keys in lanes: every lane's
  * chains (lane_chain) for the block, each finished before the next starts, then sum_lanes'
  * tree over them, level by level: pairs (L, L + VL/2), then (L, L + VL/4), ..., (0, 1). Float
- * addition commutes exactly, so only this grouping has to match. Why kept, not depth first:
+ * addition commutes exactly, so only this grouping has to match (paged_decode.c is built
+ * without associative math, so the compiler keeps it). Why kept, not depth first:
  * a depth-first tree holds log2(VL) + 1 blocks of chains at once, which on AVX2's 16 registers
  * allowed one row by two vectors, three loads for every two FMAs; here one block is live, four
  * rows by two vectors (six loads for eight FMAs), and the finished chains wait in L1 (Zen 3,
- * one thread, SmolLM2's shape: the whole attention 10-13% faster, same bits). */
+ * one thread, SmolLM2's shape: the whole attention about 10% faster, same bits). */
 static inline __attribute__((always_inline)) void qk_block(
     const float *restrict q, const float *restrict kT, const int64_t D, const int NR,
     const int NV, float *restrict s) {
@@ -230,7 +220,7 @@ static inline __attribute__((always_inline)) void qk_block(
             vf node[VL];
             for (int L = 0; L < VL; L++) node[L] = chains[L][r][v];
             for (int width = VL / 2; width >= 1; width /= 2)
-                for (int L = 0; L < width; L++) node[L] = tree_node(node[L] + node[L + width]);
+                for (int L = 0; L < width; L++) node[L] += node[L + width];
             storev(s + r * CH + v * VL, node[0]);
         }
 }

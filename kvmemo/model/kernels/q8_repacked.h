@@ -114,9 +114,11 @@ int kvmemo_q8_repack(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
     const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
     const int planes = bit_planes(type), half = half_scales(type), split = split_scales(type);
     int inexact = 0;
-    memset(out, 0, (size_t)(groups * nb * run_bytes));
 #pragma omp parallel for schedule(static) reduction(| : inexact)
     for (int64_t gi = 0; gi < groups; gi++) {
+        /* cleared here, not before the loop: the threads share the first touch of the output's
+         * pages (2 MiB ones, huge_pages.py, cost a VM's host the most) */
+        memset(out + gi * nb * run_bytes, 0, (size_t)(nb * run_bytes));
         for (int64_t r = 0; r < PACK_ROWS && gi * PACK_ROWS + r < N; r++) {
             const uint8_t *row = W + (gi * PACK_ROWS + r) * row_bytes;
             for (int64_t j = 0; j < nb; j++) {

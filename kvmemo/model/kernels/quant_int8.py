@@ -28,6 +28,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvmemo.file_pages import drop_resident_pages
+from kvmemo.huge_pages import huge_page_empty
 from kvmemo.model.kernels.quant_linear import QuantizedWeight
 from kvmemo.native import load_library
 
@@ -170,9 +171,7 @@ def repacked(weight: QuantizedWeight) -> torch.Tensor | None:
     size = lib.repacked_bytes(qtype, rows, cols)
     if size == 0:
         return None
-    out = torch.empty(size + 64, dtype=torch.uint8)  # a 64-byte aligned view: no load splits a line
-    start = (-out.data_ptr()) % 64
-    out = out[start : start + size]
+    out = huge_page_empty(size)  # 64-byte aligned, on 2 MiB pages: every step streams it
     row_bytes = weight.data.shape[1]
     chunk = max(PACK_ROWS, REPACK_CHUNK_BYTES // row_bytes // PACK_ROWS * PACK_ROWS)
     packed: torch.Tensor | None = out

@@ -298,6 +298,16 @@ static void unpack_group(int type, const uint8_t *group, int64_t nb, uint8_t *ou
 
 enum { UNPACK_ROWS = 8, UNPACK_NIBBLE_ROWS = 16, BYTES_TILE = 4 };
 
+/* A decode step reads each weight once, straight from memory (Gemma 3's head alone is 178 MB):
+ * plain loads leave those lines in every cache level, evicting what the rest of the step reuses
+ * (the KV pages, the activations, the interpreter's own working set). Runs this many bytes
+ * ahead are prefetched non-temporally instead (a weight's groups follow one another in memory,
+ * so past a group's end lie the next group's runs). Decode on Zen 3 (AVX2), prefetch on and off
+ * alternating in one process, both models at 18 and 1,024 tokens of context, two sittings at
+ * 1,024 and two at 2,048 bytes ahead: 1.00-1.15x, 1.07x on average at 2,048 (1.06x at 1,024).
+ * The 512-bit kernel is left as it was until an AVX-512 machine measures it. */
+enum { STREAM_AHEAD = 2048 };
+
 /* This thread's buffer for one group's codes as bytes (nb runs of 512), grown as needed and
  * kept for the thread's life: 16 bytes per input column. NULL without memory (the caller
  * then unpacks as it goes). */
@@ -318,11 +328,13 @@ static uint8_t *group_bytes(int64_t nb) {
  * rows, or codes with bit planes, one half at a time (their accumulators and planes fill the
  * sixteen ymm registers: Q5_0 both at once was 1.6x slower). A lane's sums are the same
  * either way. from_bytes: the codes are read from `bytes` (unpack_group's layout) instead of
- * unpacked here; a constant at each call, so each variant compiles without the other's code. */
+ * unpacked here; a constant at each call, so each variant compiles without the other's code.
+ * stream: this tile is the group's only one (decode), so the weights pass once: see
+ * STREAM_AHEAD. */
 static inline __attribute__((always_inline)) void packed_tile(
     int type, int R, const uint8_t *group, int64_t nb, const int8_t *q, const float *e,
     const float *hs, int64_t K, float *y, int64_t ldy, int64_t live, int from_bytes,
-    const uint8_t *bytes) {
+    const uint8_t *bytes, int stream) {
     enum { MAX_H = 2 };
     const int H = R == 1 && bit_planes(type) < 0 ? 2 : 1;
     const int64_t run_bytes = packed_run_bytes(type), cb = codes_bytes(type);
@@ -333,6 +345,8 @@ static inline __attribute__((always_inline)) void packed_tile(
             for (int r = 0; r < R; r++) acc[h][r] = _mm256_setzero_ps();
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *run = group + j * run_bytes;
+            for (int64_t line = 0; stream && half0 == 0 && line < run_bytes; line += 64)
+                _mm_prefetch((const char *)run + STREAM_AHEAD + line, _MM_HINT_NTA);
             __m256 fa[MAX_H][PACK_TILE], fb[MAX_H][PACK_TILE];
             __m256i dot[MAX_H][PACK_TILE]; /* a row's dots of the activation group so far */
 #if !defined(HAVE_DOT_VNNI)
@@ -449,6 +463,7 @@ static inline __attribute__((always_inline)) void packed_rows(
     const int64_t unpack_rows = bit_planes(type) > 0 ? UNPACK_ROWS : UNPACK_NIBBLE_ROWS;
     uint8_t *bytes = bit_planes(type) >= 0 && M >= unpack_rows ? group_bytes(nb) : NULL;
     const int tile = bytes ? BYTES_TILE : bit_planes(type) > 0 ? PACK_TILE : 2;
+    const int stream = M <= tile; /* one tile per group: its weights pass once */
 #endif
     for (int64_t n = n0; n < n1; n += PACK_ROWS) {
         const uint8_t *group = P + (n / PACK_ROWS) * nb * run_bytes;
@@ -459,8 +474,8 @@ static inline __attribute__((always_inline)) void packed_rows(
 #else
         const int64_t valid = live;
         if (bytes) unpack_group(type, group, nb, bytes);
-#define TILE(R) (bytes ? packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid, 1, bytes) \
-                       : packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid, 0, NULL))
+#define TILE(R) (bytes ? packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid, 1, bytes, 0) \
+                       : packed_tile(type, R, group, nb, q, e, h, K, out, ldy, valid, 0, NULL, stream))
 #endif
         for (int64_t m = 0; m < M; m += tile) {
             const int8_t *q = xq + m * K;

@@ -152,12 +152,19 @@ class DecodeChain:
         write-and-decode call serves."""
         distinct, layer_groups = _distinct(layer_metadata)
         groups = (ChainGroup * len(distinct))()
+        # A plan's lengths and window starts follow from the rows' lengths and the window alone:
+        # groups that share them (AttentionMetadata.for_tables: Gemma 3's five sliding groups)
+        # share one plan.
+        plan_of: dict[tuple[int, int | None], RowPlan | None] = {}
         for i, metadata in enumerate(distinct):
             if (any(n != 1 for n in metadata.query_lens)
                     or metadata.slot_mapping.dtype != torch.int64):
                 return None, layer_groups
             check_metadata_fits_cache(metadata, self.kv_cache)
-            plan = RowPlan.build(metadata, self.kv_cache, self.probe_q)
+            key = (id(metadata.seq_lens_t), metadata.sliding_window)
+            if key not in plan_of:
+                plan_of[key] = RowPlan.build(metadata, self.kv_cache, self.probe_q)
+            plan = plan_of[key]
             tables = metadata.block_tables
             if (plan is None or plan.table_rows is not None or tables.dtype != torch.int64
                     or not tables.is_contiguous() or not metadata.slot_mapping.is_contiguous()):

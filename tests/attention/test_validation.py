@@ -143,3 +143,36 @@ def test_fast_fp8_conversion_is_exact_for_every_byte():
     finite = every[~every.float().isnan()]
     out = fp8_to_float(finite, torch.empty(finite.shape), torch.empty(finite.shape, dtype=torch.int16))
     assert torch.equal(out, finite.float())
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "window-8"])
+def test_metadata_for_other_tables_equals_a_build_over_them(window):
+    """for_tables (a hybrid layout's other groups of one window) gives what `build` gives for
+    those tables, and shares the rows' lists and length tensors with the metadata it came from;
+    released blocks (None) before a window's first block are allowed, as in `build`."""
+    common = dict(num_computed_tokens=[17, 40], query_lens=[1, 2], block_size=16,
+                  num_cache_blocks=64, sliding_window=window)
+    first = AttentionMetadata.build(block_tables=[[0, 1], [2, 3, 4, 5]], **common)
+    other_tables = [[6, 7], [8, 9, 10, 11]] if window is None else [[6, 7], [None, None, 10, 11]]
+    shared = first.for_tables(other_tables, common["num_computed_tokens"])
+    direct = AttentionMetadata.build(block_tables=other_tables, **common)
+    assert torch.equal(shared.block_tables, direct.block_tables)
+    assert torch.equal(shared.slot_mapping, direct.slot_mapping)
+    assert shared.slot_mapping.tolist() != first.slot_mapping.tolist()
+    for name in ("query_start_loc", "query_lens", "seq_lens", "block_size", "num_cache_blocks",
+                 "sliding_window"):
+        assert getattr(shared, name) == getattr(direct, name), name
+    assert torch.equal(shared.seq_lens_t, direct.seq_lens_t)
+    assert shared.seq_lens_t is first.seq_lens_t and shared.query_lens_t is first.query_lens_t
+
+
+def test_metadata_for_other_tables_checks_them():
+    first = build()
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        first.for_tables([[0, 9], [2]], GOOD["num_computed_tokens"])
+    with pytest.raises(ValueError, match="too short"):
+        first.for_tables([[0], [2]], GOOD["num_computed_tokens"])
+    with pytest.raises(ValueError, match="2 block tables"):
+        first.for_tables([[0, 1], [2]], [17])
+    with pytest.raises(ValueError, match="computed counts this metadata was built with"):
+        first.for_tables([[0, 1], [2]], [16, 3])

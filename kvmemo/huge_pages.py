@@ -56,10 +56,12 @@ class HugePageArena:
 
 def _mapping(size: int) -> torch.Tensor:
     """`size` bytes at the start of a fresh anonymous private mapping, 2 MiB aligned and advised
-    MADV_HUGEPAGE (a tensor of the plain allocator where that cannot be had)."""
+    MADV_HUGEPAGE (a 64-byte aligned view of the plain allocator's where that cannot be had)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if sys.platform != "linux" or advice is None:
-        return torch.empty(size, dtype=torch.uint8)
+        plain = torch.empty(size + ALIGN, dtype=torch.uint8)
+        start = (-plain.data_ptr()) % ALIGN
+        return plain[start : start + size]
     # Private: a shared anonymous mapping is shmem, which takes huge pages only where
     # shmem_enabled allows (off by default).
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

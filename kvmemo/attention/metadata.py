@@ -142,8 +142,7 @@ class AttentionMetadata:
         positions and window (a hybrid layout's groups of one attention type share them, not
         their blocks). num_computed_tokens: the counts `build` was given, before any crop. The
         tables are cropped, checked and mapped to slots as `build` does; the rows' lists and
-        length tensors are this metadata's own (one build's worth of work per step, not one per
-        group).
+        length tensors are this metadata's own, not built again.
 
         Raises:
             ValueError: as `build` does for these tables.

@@ -366,23 +366,25 @@ class ModelRunner:
         by_window: dict[int | None, AttentionMetadata] = {}  # the first group of each window
         by_group: list[AttentionMetadata] = []
         for g, group in enumerate(self.kv_groups):
-            tables = [s.group_block_tables[g] for s in seqs]
-            like = by_window.get(group.sliding_window)
-            if g == 0 and group.sliding_window is None:
+            window = group.sliding_window
+            if g == 0 and window is None:
                 # Group 0 is the full-attention group: its tables are the ones `metadata` holds.
-                by_group.append(by_window.setdefault(None, metadata))
-            elif like is not None:  # Gemma 3's five sliding groups: their rows built once
-                by_group.append(like.for_tables(tables, computed))
+                group_metadata = metadata
+            elif window in by_window:  # Gemma 3's five sliding groups: their rows built once
+                group_metadata = by_window[window].for_tables(
+                    [s.group_block_tables[g] for s in seqs], computed)
             else:
-                by_group.append(by_window.setdefault(group.sliding_window, AttentionMetadata.build(
-                    block_tables=tables,
+                group_metadata = AttentionMetadata.build(
+                    block_tables=[s.group_block_tables[g] for s in seqs],
                     num_computed_tokens=computed,
                     query_lens=[len(s.token_ids) for s in seqs],
                     block_size=self.kv_cache.block_size,
                     num_cache_blocks=self.kv_cache.num_blocks,
                     device=self.device,
-                    sliding_window=group.sliding_window,
-                )))
+                    sliding_window=window,
+                )
+            by_window.setdefault(window, group_metadata)
+            by_group.append(group_metadata)
         return [by_group[self.group_of_layer[layer]] for layer in range(num_layers)]
 
     def _attention_fn(self, layer_metadata: list[AttentionMetadata]):
